@@ -1,0 +1,46 @@
+# Parallelism Lab. Two commands on a fresh machine:
+#   make lab    create .venv, install, open the course in JupyterLab
+#   make test   install if needed, run the library tests and every chapter under nbval
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.labkit-installed
+# torch is pinned: a plain `pip install torch` can pull a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+CELL_TIMEOUT ?= 120
+
+.PHONY: install lab test test-lib test-notebooks bench doctor clean-notebooks clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+lab: install
+	$(BIN)/jupyter lab $(ROOT_FLAG) --notebook-dir=notebooks
+
+test: test-lib test-notebooks
+
+test-lib: install
+	$(BIN)/python -m pytest tests -q
+
+test-notebooks: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
+		--nbval-cell-timeout=$(CELL_TIMEOUT) notebooks/
+
+doctor: install
+	$(BIN)/python -m labkit doctor
+
+bench: install
+	$(BIN)/python -m labkit bench cluster
+
+clean-notebooks: install
+	$(BIN)/python -m labkit clean-notebooks notebooks/*.ipynb
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,35 @@
+"""labkit: the library behind Parallelism Lab.
+
+Real torch.distributed ranks driven from a notebook cell (`Cluster`, `run`,
+`%%ranks`), and, in later layers, what they hold and send, measured.
+"""
+
+from labkit import cluster as _cluster
+
+_cluster.prewarm()  # the rank forkserver imports torch while this process does too
+
+from labkit.cluster import (  # noqa: E402
+    Cluster,
+    CollectiveTimeout,
+    RankError,
+    RankResults,
+    default_cluster,
+    run,
+)
+
+__version__ = "0.1.0"
+__all__ = [
+    "Cluster",
+    "CollectiveTimeout",
+    "RankError",
+    "RankResults",
+    "default_cluster",
+    "run",
+]
+
+
+def load_ipython_extension(ipython):
+    """`%load_ext labkit`: adds the %%ranks cell magic."""
+    from labkit.magics import register
+
+    register(ipython)

@@ -1,0 +1,38 @@
+"""python -m labkit doctor | bench cluster | clean-notebooks FILES..."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m labkit")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("doctor", help="versions, backend, and a 2-rank all_reduce smoke test")
+    b = sub.add_parser("bench", help="benchmarks, printed as ratios to a reference")
+    b.add_argument("what", choices=["cluster"])
+    b.add_argument("--world-size", type=int, default=4)
+    c = sub.add_parser("clean-notebooks", help="strip outputs and execution counts")
+    c.add_argument("paths", nargs="+")
+    args = p.parse_args(argv)
+
+    if args.cmd == "doctor":
+        from labkit.doctor import doctor
+
+        return doctor()
+    if args.cmd == "bench":
+        from labkit.bench import bench_cluster
+
+        return bench_cluster(args.world_size)
+    if args.cmd == "clean-notebooks":
+        from labkit.nbclean import clean
+
+        for path in args.paths:
+            print(("cleaned   " if clean(path) else "clean     ") + path)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""`python -m labkit doctor`: what this machine offers, and a smoke test."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+
+def _smoke(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    x = torch.tensor([float(rank + 1)])
+    dist.all_reduce(x)
+    return x.item(), dist.get_backend()
+
+
+def doctor() -> int:
+    import torch
+
+    import labkit
+    from labkit.cluster import gpu_count, resolve_backend
+
+    gpus = gpu_count()
+    print(f"python      {sys.version.split()[0]} ({platform.platform()})")
+    print(f"torch       {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})")
+    print(f"labkit      {labkit.__version__}")
+    print(f"cpu cores   {os.cpu_count()}")
+    print(f"gpus        {gpus}")
+    print(f"backend     auto -> {resolve_backend('auto', 2)} for 2 ranks")
+    print("smoke test  2 ranks, all_reduce of [1] and [2] ...", end=" ", flush=True)
+    try:
+        with labkit.Cluster(2, timeout=60) as cluster:
+            res = cluster.run(_smoke)
+    except Exception as e:  # noqa: BLE001  (the doctor reports, it does not crash)
+        print(f"FAILED\n{type(e).__name__}: {e}")
+        return 1
+    sums = [v[0] for v in res]
+    if sums != [3.0, 3.0]:
+        print(f"FAILED: expected [3.0, 3.0], got {sums}")
+        return 1
+    print(f"ok ({res[0][1]}: every rank holds 3.0)")
+    return 0

@@ -1,0 +1,343 @@
+"""labkit.Cluster: real ranks driven from the test process, and what goes wrong."""
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+import labkit
+from labkit import CollectiveTimeout, RankError
+from labkit.cluster import _zygote, gpu_count
+from tests.conftest import alive, children_of, wait_gone
+
+
+def _rank_and_size(rank, world_size):
+    return rank, world_size
+
+
+def test_run_returns_one_value_per_rank(cluster):
+    res = cluster.run(_rank_and_size)
+    assert res.values == [(r, 4) for r in range(4)]
+    assert res.ranks == [0, 1, 2, 3]
+    assert res[2] == (2, 4)
+    assert len(res) == 4 and list(res) == res.values
+    assert "rank 3: (3, 4)" in repr(res)
+    assert res._repr_html_().count("<tr>") == 5  # header + one row per rank
+
+
+def test_tensors_closures_and_local_classes_travel(cluster):
+    offset = 10.0  # captured by the closure
+
+    class Box:  # defined here, like a class in a notebook cell
+        def __init__(self, t):
+            self.t = t
+
+    def work(rank, world_size, x, *, scale):
+        import torch.distributed as dist
+
+        y = (x + rank) * scale + offset
+        dist.all_reduce(y)
+        return Box(y)
+
+    res = cluster.run(work, torch.arange(4.0), scale=2.0)
+    # sum over ranks of (x + r) * 2 + 10 = 2 * (4x + 6) + 40
+    expected = 2 * (4 * torch.arange(4.0) + 6) + 40
+    for box in res:
+        assert type(box).__name__ == "Box"
+        torch.testing.assert_close(box.t, expected)
+
+
+def test_course_example_all_reduce(cluster):
+    def work(rank, world_size):
+        import torch
+        import torch.distributed as dist
+
+        x = torch.tensor([0.0, 1, 2, 3]) + rank
+        dist.all_reduce(x)
+        return x
+
+    for x in cluster.run(work):
+        assert x.tolist() == [6, 10, 14, 18]
+
+
+def test_subset_of_ranks(cluster):
+    res = cluster.run(_rank_and_size, ranks=[1, 3])
+    assert res.ranks == [1, 3] and res.values == [(1, 4), (3, 4)]
+    with pytest.raises(IndexError, match="ranks \\[1, 3\\]"):
+        res[0]
+
+
+def test_prints_are_prefixed_and_in_rank_order(cluster, capsys):
+    def talk(rank, world_size):
+        import sys
+        import time
+
+        time.sleep(0.05 * (world_size - rank))  # rank 0 finishes last
+        print(f"hello from {rank}")
+        print(f"note {rank}", file=sys.stderr)
+
+    res = cluster.run(talk)
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [f"[rank {r}] hello from {r}" for r in range(4)]
+    assert err.splitlines() == [f"[rank {r}] note {r}" for r in range(4)]
+    assert res.outputs[2] == "hello from 2\n"
+
+
+def test_exception_names_rank_and_shows_traceback_and_others(cluster):
+    def bad(rank, world_size):
+        import torch
+        import torch.distributed as dist
+
+        if rank == 1:
+            raise ValueError("rank one is unhappy")
+        dist.all_reduce(torch.ones(1))
+
+    pids = cluster.pids
+    t = time.monotonic()
+    with pytest.raises(RankError) as ei:
+        cluster.run(bad)
+    assert time.monotonic() - t < 5
+    msg = str(ei.value)
+    assert "rank 1 raised ValueError: rank one is unhappy" in msg
+    assert 'raise ValueError("rank one is unhappy")' in msg  # the source line
+    assert isinstance(ei.value.exceptions[1], ValueError)
+    for r in (0, 2, 3):  # what the others were doing
+        assert "all_reduce" in ei.value.busy[r]
+    assert not wait_gone(pids.values(), 2.0)
+    assert cluster.run(_rank_and_size).values == [(r, 4) for r in range(4)]
+
+
+def test_traceback_shows_source_that_only_the_kernel_has(cluster):
+    # IPython keeps a cell's source in linecache only; the ranks never see it.
+    import linecache
+
+    src = "def from_cell(rank, world_size):\n    raise KeyError('only in the cell')\n"
+    fname = "<labkit-test-cell>"
+    linecache.cache[fname] = (len(src), None, src.splitlines(True), fname)
+    ns = {}
+    exec(compile(src, fname, "exec"), ns)
+    with pytest.raises(RankError) as ei:
+        cluster.run(ns["from_cell"])
+    assert "raise KeyError('only in the cell')" in ei.value.failures[0]
+    assert sorted(ei.value.failures) == [0, 1, 2, 3]
+
+
+def test_mismatched_collective_times_out_and_names_busy_ranks():
+    def hang(rank, world_size):
+        import torch
+        import torch.distributed as dist
+
+        if rank == 0:
+            dist.all_reduce(torch.ones(1))
+
+    with labkit.Cluster(2, timeout=2) as c:
+        t = time.monotonic()
+        with pytest.raises(CollectiveTimeout) as ei:
+            c.run(hang)
+        elapsed = time.monotonic() - t
+        assert 2 <= elapsed < 6
+        assert list(ei.value.busy) == [0]
+        assert "all_reduce" in ei.value.busy[0]
+        assert "dist.all_reduce(torch.ones(1))" in ei.value.busy[0]
+        assert ei.value.finished == [1]
+        assert isinstance(ei.value, TimeoutError)
+        assert c.run(_rank_and_size).values == [(0, 2), (1, 2)]
+
+
+def test_per_call_timeout_overrides_default():
+    def nap(rank, world_size):
+        import time
+
+        time.sleep(30)
+
+    with labkit.Cluster(2, timeout=60) as c:
+        t = time.monotonic()
+        with pytest.raises(CollectiveTimeout, match="time.sleep"):
+            c.run(nap, timeout=1)
+        assert time.monotonic() - t < 4
+
+
+def test_rank_killed_mid_call_is_reported_and_recovered():
+    def nap(rank, world_size):
+        import time
+
+        time.sleep(30 if rank == 1 else 0)
+
+    with labkit.Cluster(2, timeout=20) as c:
+        victim = c.pids[1]
+        threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
+        with pytest.raises(RankError, match="rank 1 died: killed by SIGKILL"):
+            c.run(nap)
+        assert c.run(_rank_and_size).values == [(0, 2), (1, 2)]
+        assert victim not in c.pids.values()
+
+
+def test_rank_killed_while_idle_is_restarted(capsys):
+    with labkit.Cluster(2) as c:
+        old = c.pids
+        os.kill(old[0], signal.SIGKILL)
+        assert not wait_gone([old[0]], 2.0)
+        assert c.run(_rank_and_size).values == [(0, 2), (1, 2)]
+        assert "rank 0 killed by SIGKILL" in capsys.readouterr().err
+        assert set(c.pids.values()).isdisjoint(old.values())
+
+
+def test_interrupt_stops_ranks_quickly_and_cluster_recovers():
+    def forever(rank, world_size):
+        import time
+
+        while True:
+            time.sleep(0.1)
+
+    with labkit.Cluster(4, timeout=None) as c:
+        pids = list(c.pids.values())
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            c.run(forever)
+        assert not wait_gone(pids, 2.0)
+        assert c.run(_rank_and_size).values == [(r, 4) for r in range(4)]
+
+
+def test_ranks_live_in_their_own_session():
+    with labkit.Cluster(2) as c:
+        for pid in [*c.pids.values(), _zygote().proc.pid]:
+            assert os.getsid(pid) != os.getsid(0)
+            assert os.getpgid(pid) != os.getpgid(0)
+
+
+def _listening(pid: int) -> list[str]:
+    """Local addresses of the TCP sockets this pid is listening on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    addr = cols[1].split(":")[0]
+                    if v6:
+                        found.append(socket.inet_ntop(socket.AF_INET6, bytes.fromhex(addr)))
+                    else:
+                        found.append(socket.inet_ntoa(bytes.fromhex(addr)[::-1]))
+    return found
+
+
+def test_rendezvous_and_gloo_listen_on_loopback_only(cluster):
+    addrs = _listening(os.getpid())
+    for pid in cluster.pids.values():
+        addrs += _listening(pid)
+    assert addrs, "expected the store and gloo to listen somewhere"
+    assert all(a in ("127.0.0.1", "::1", "::ffff:127.0.0.1") for a in addrs), addrs
+
+
+def test_two_clusters_at_once_have_their_own_ports():
+    with labkit.Cluster(2) as a, labkit.Cluster(2) as b:
+        assert a.port != b.port
+        assert a.run(_rank_and_size).values == b.run(_rank_and_size).values
+
+
+def test_default_cluster_is_reused_per_world_size():
+    r1 = labkit.run(_rank_and_size, world_size=2)
+    pids = labkit.default_cluster(2).pids
+    r2 = labkit.run(_rank_and_size, world_size=2)
+    assert r1.values == r2.values == [(0, 2), (1, 2)]
+    assert labkit.default_cluster(2).pids == pids
+    assert labkit.default_cluster(3) is not labkit.default_cluster(2)
+
+
+def test_close_and_context_manager_end_every_rank():
+    with labkit.Cluster(3) as c:
+        pids = list(c.pids.values())
+        assert all(alive(p) for p in pids)
+    assert not wait_gone(pids, 2.0)
+    with pytest.raises(RuntimeError, match="closed"):
+        c.run(_rank_and_size)
+    c.close()  # twice is fine
+
+
+def test_backend_choice():
+    with labkit.Cluster(1) as c:
+        assert c.backend == ("nccl" if gpu_count() >= 1 else "gloo")
+        assert c.run(_rank_and_size).values == [(0, 1)]
+    with pytest.raises(ValueError, match="backend"):
+        labkit.Cluster(2, backend="mpi")
+    assert not torch.cuda.is_initialized()
+
+
+@pytest.mark.skipif(gpu_count() >= 2, reason="needs a machine with fewer than 2 GPUs")
+def test_nccl_without_gpus_is_a_clear_error():
+    with pytest.raises(ValueError, match="one GPU per rank"):
+        labkit.Cluster(2, backend="nccl")
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, pattern",
+    [
+        ({"world_size": 0}, ValueError, "between 1 and 64"),
+        ({"world_size": 65}, ValueError, "between 1 and 64"),
+        ({"world_size": 2.0}, TypeError, "must be an int"),
+        ({"world_size": "4"}, TypeError, "must be an int"),
+        ({"world_size": 2, "timeout": -1}, ValueError, "timeout"),
+        ({"world_size": 2, "timeout": "soon"}, TypeError, "timeout"),
+    ],
+)
+def test_bad_cluster_arguments(kwargs, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        labkit.Cluster(**kwargs)
+
+
+def test_bad_run_arguments(cluster):
+    with pytest.raises(TypeError, match="needs a function"):
+        cluster.run(42)
+    with pytest.raises(TypeError, match="argument 1 \\(lock\\) cannot be sent"):
+        cluster.run(_rank_and_size, 1, threading.Lock())
+    with pytest.raises(TypeError, match="keyword argument 'gen'"):
+        cluster.run(_rank_and_size, gen=(i for i in range(3)))
+    with pytest.raises(ValueError, match="ranks must be"):
+        cluster.run(_rank_and_size, ranks=[4])
+    with pytest.raises(ValueError, match="ranks must be"):
+        cluster.run(_rank_and_size, ranks=[1, 1])
+    # nothing was sent: the cluster is untouched
+    assert cluster.run(_rank_and_size).values == [(r, 4) for r in range(4)]
+
+
+def test_unpicklable_return_value_is_a_rank_error(cluster):
+    def give_lock(rank, world_size):
+        import threading
+
+        return threading.Lock()
+
+    with pytest.raises(RankError, match="cannot be pickled"):
+        cluster.run(give_lock)
+
+
+def test_many_runs_leak_no_processes_threads_or_files():
+    with labkit.Cluster(4) as c:
+        for _ in range(10):
+            c.run(_rank_and_size)
+        zygote = _zygote().proc.pid
+
+        def counts():
+            return (
+                len(children_of(zygote)),
+                threading.active_count(),
+                len(os.listdir("/proc/self/task")),
+                len(os.listdir("/proc/self/fd")),
+            )
+
+        before = counts()
+        for _ in range(200):
+            c.run(_rank_and_size)
+        assert counts() == before
+        assert before[0] >= 4  # the ranks are counted

@@ -1,0 +1,32 @@
+"""python -m labkit: the command line."""
+
+import json
+import subprocess
+import sys
+
+
+def _labkit(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True,
+                          text=True, timeout=300, **kw)
+
+
+def test_doctor_reports_and_runs_a_smoke_test():
+    out = _labkit("doctor")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "torch       2.13.0" in out.stdout
+    assert "every rank holds 3.0" in out.stdout
+
+
+def test_clean_notebooks_command(tmp_path):
+    p = tmp_path / "a.ipynb"
+    p.write_text(json.dumps({"cells": [{"cell_type": "code", "source": "", "metadata": {},
+                                        "execution_count": 1, "outputs": []}],
+                             "metadata": {}, "nbformat": 4, "nbformat_minor": 4}))
+    out = _labkit("clean-notebooks", str(p))
+    assert out.returncode == 0 and "cleaned" in out.stdout
+    assert json.loads(p.read_text())["cells"][0]["execution_count"] is None
+
+
+def test_unknown_command_is_an_error():
+    out = _labkit("frobnicate")
+    assert out.returncode == 2 and "invalid choice" in out.stderr

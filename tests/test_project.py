@@ -1,0 +1,75 @@
+"""House rules: clean notebooks, one list of dependencies, the README's commands."""
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from labkit.nbclean import clean, dirty_cells
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def test_there_are_chapters():
+    assert [p.name for p in NOTEBOOKS][:1] == ["00_lab_tour.ipynb"]
+    for p in NOTEBOOKS:
+        assert re.fullmatch(r"\d\d_[a-z0-9_]+\.ipynb", p.name), p.name
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebooks_are_committed_clean(path):
+    assert dirty_cells(path) == [], f"{path.name}: run `make clean-notebooks`"
+
+
+def test_clean_strips_outputs_and_counts(tmp_path):
+    nb = {"cells": [{"cell_type": "code", "source": "1", "metadata": {},
+                     "execution_count": 3,
+                     "outputs": [{"output_type": "stream", "name": "stdout",
+                                  "text": "1"}]}],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 4}
+    p = tmp_path / "x.ipynb"
+    p.write_text(json.dumps(nb))
+    assert dirty_cells(p) == [0]
+    assert clean(p) is True
+    assert dirty_cells(p) == []
+    assert clean(p) is False
+
+
+def _req(spec: str) -> tuple[str, str]:
+    m = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)\s*(.*?)\s*", spec)
+    return m.group(1).lower().replace("_", "-"), m.group(2).replace(" ", "")
+
+
+def test_environment_yml_matches_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    py = {_req(s) for s in project["dependencies"]}
+    py |= {_req(s) for group in project["optional-dependencies"].values() for s in group}
+    text = (ROOT / "environment.yml").read_text().split("\ndependencies:", 1)[1]
+    conda = set()
+    for line in text.splitlines():
+        m = re.match(r"\s+- (\S.*)$", line)
+        if m and not m.group(1).startswith(("-e", "python=", "pip")):
+            conda.add(_req(m.group(1)))
+    assert ("torch", "==2.13.0") in conda
+    assert conda == py
+
+
+def test_torch_is_pinned_where_it_is_installed():
+    assert "torch==2.13.0" in (ROOT / "Makefile").read_text()
+    assert "torch==2.13.0" in (ROOT / "pyproject.toml").read_text()
+
+
+def test_readme_starts_with_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    first_block = text.split("```")[1]
+    assert "make lab" in first_block and "make test" in first_block
+    for heading in ("For students", "For lecturers", "For cluster users", "conda",
+                    "Troubleshooting"):
+        assert heading in text
+
+
+def test_ci_runs_make_test():
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
