@@ -5,7 +5,11 @@ import pytest
 
 
 def alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
+    """True while the process exists and is not a zombie.
+
+    A thread-group leader shows as a zombie while its other threads still exit
+    (and hold its files open); use `reaped` below when that matters.
+    """
     try:
         with open(f"/proc/{pid}/stat") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]
@@ -14,11 +18,15 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def wait_gone(pids, seconds: float) -> list[int]:
+def reaped(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def wait_gone(pids, seconds: float, *, until_reaped: bool = False) -> list[int]:
     """Wait until every pid is gone; return those still alive after `seconds`."""
     end = time.monotonic() + seconds
     while True:
-        left = [p for p in pids if alive(p)]
+        left = [p for p in pids if (not reaped(p) if until_reaped else alive(p))]
         if not left or time.monotonic() > end:
             return left
         time.sleep(0.02)
