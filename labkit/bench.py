@@ -92,6 +92,9 @@ def bench_cluster(world_size: int = 4, calls: int = 2000) -> int:
     cold = _first_start(n, prewarm=False)
 
     with labkit.Cluster(n) as c:
+        from labkit.cluster import _zygote
+
+        _zygote().wait_preloaded()  # measure the steady state, not its idle imports
         _progress(f"{calls} warm no-op calls")
         for _ in range(50):
             c.run(_noop)

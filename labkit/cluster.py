@@ -101,6 +101,7 @@ class _Zygote:
         self.sock = mine
         self.ready = False
         self.exits: dict[int, str] = {}
+        self.preloaded: set[str] = set()
         self.lock = threading.Lock()
 
     def alive(self) -> bool:
@@ -109,6 +110,20 @@ class _Zygote:
     def _handle(self, msg) -> None:
         if msg[0] == "exited":
             self.exits[msg[1]] = msg[2]
+        elif msg[0] == "preloaded":
+            self.preloaded.add(msg[1])
+
+    def wait_preloaded(self, timeout: float = 30.0) -> bool:
+        """Wait until the zygote has imported what it imports when idle."""
+        from labkit.worker import PRELOAD_WHEN_IDLE
+
+        end = time.monotonic() + timeout
+        while len(self.preloaded) < len(PRELOAD_WHEN_IDLE):
+            if time.monotonic() > end:
+                return False
+            self.poll()
+            time.sleep(0.05)
+        return True
 
     def _recv(self, deadline: float):
         while True:
@@ -780,12 +795,11 @@ def _describe_busy(status: dict) -> str:
         return "idle"
     parts = []
     if status.get("activity"):
-        parts.append(f"in {status['activity']}")
-    inner = stack[-1] if stack else None
-    if inner and _TORCH_DIR in inner[0]:
-        module = "torch.distributed" if "distributed" in inner[0] else "torch"
-        if not status.get("activity"):
-            parts.append(f"in {inner[2]} ({module})")
+        parts.append(f"in {status['activity']} (torch.distributed)")
+    # the innermost torch.distributed frame names the collective
+    dist_frames = [f for f in stack if _TORCH_DIR + "distributed" in f[0]]
+    if dist_frames and not status.get("activity"):
+        parts.append(f"in {dist_frames[-1][2]} (torch.distributed)")
     user = [f for f in stack if _TORCH_DIR not in f[0]]
     if user:
         filename, lineno, name = user[-1]

@@ -14,6 +14,7 @@ main thread's stack, so a busy or hung rank can say what it is doing.
 
 from __future__ import annotations
 
+import importlib
 import os
 import select
 import signal
@@ -24,6 +25,7 @@ import time
 import traceback
 
 from labkit import _wire
+from labkit.units import human_bytes
 
 ROLE_ENV = "LABKIT_ROLE"  # "zygote" or "rank": importing labkit there starts nothing
 
@@ -31,6 +33,11 @@ ROLE_ENV = "LABKIT_ROLE"  # "zygote" or "rank": importing labkit there starts no
 STATE: dict = {"call": None, "activity": None}
 # Namespace shared by the %%ranks cells a rank runs (reset when the rank restarts).
 NAMESPACE: dict = {}
+
+# Imported by the zygote once it has served a cluster and sat idle for a second, so
+# ranks forked later have them for free (the memory ledger pulls in DTensor: ~2 s).
+PRELOAD_WHEN_IDLE = ("labkit.ledger", "torch.distributed._tools.mem_tracker")
+IDLE_BEFORE_PRELOAD = 1.0
 
 _LIFELINE = -1  # read end of a pipe only the kernel writes to: EOF = kernel gone
 _KERNEL_PIDFD = -1  # pidfd of the kernel, where the OS has them
@@ -71,8 +78,16 @@ def zygote_main(ctrl_fd: int, lifeline_fd: int, kernel_pid: int) -> None:
     if os.getppid() != kernel_pid:  # the kernel died while we imported torch
         return
     _wire.send(ctrl, ("ready", os.getpid()))
+    later = list(PRELOAD_WHEN_IDLE)
+    served = False
     while True:
-        ready, _, _ = select.select([ctrl, wake_r, *gone], [], [])
+        idle = IDLE_BEFORE_PRELOAD if (served and later) else None
+        ready, _, _ = select.select([ctrl, wake_r, *gone], [], [], idle)
+        if not ready:  # idle after serving a cluster: import what later ranks use
+            name = later.pop(0)
+            importlib.import_module(name)
+            _wire.send(ctrl, ("preloaded", name))
+            continue
         if any(fd in ready for fd in gone):
             return
         if wake_r in ready:
@@ -87,6 +102,7 @@ def zygote_main(ctrl_fd: int, lifeline_fd: int, kernel_pid: int) -> None:
                 sys.stderr.flush()
                 pids = [_fork_rank(spec, (ctrl.fileno(), wake_r, wake_w)) for spec in msg[1]]
                 _wire.send(ctrl, ("spawned", pids))
+                served = True
 
 
 def _reap(ctrl: socket.socket) -> None:
@@ -283,6 +299,30 @@ def _serve_status(sock: socket.socket, main_ident: int) -> None:
                 for f in reversed(summary)
                 if f.filename != __file__
             ]
-        _wire.send(
-            sock, {"call": STATE["call"], "activity": STATE["activity"], "stack": stack}
-        )
+        activity = STATE["activity"] or (_collective_in(frame) if frame else None)
+        _wire.send(sock, {"call": STATE["call"], "activity": activity, "stack": stack})
+
+
+_PAYLOAD_NAMES = ("tensor", "tensor_list", "output_tensor", "output_tensor_list",
+                  "input_tensor", "input_tensor_list", "output", "input")
+
+
+def _collective_in(frame) -> str | None:
+    """'all_reduce of 4.0 MiB' when the innermost frame is a torch.distributed call."""
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    if frame is None or not frame.f_code.co_filename.endswith("distributed_c10d.py"):
+        return None
+    nbytes = 0
+    for name in _PAYLOAD_NAMES:
+        nbytes += _nbytes(frame.f_locals.get(name))
+    size = f" of {human_bytes(nbytes)}" if nbytes else ""
+    return f"{frame.f_code.co_name}{size}"
+
+
+def _nbytes(x) -> int:
+    if hasattr(x, "element_size") and hasattr(x, "numel"):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(v) for v in x)
+    return 0

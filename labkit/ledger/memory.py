@@ -1,0 +1,323 @@
+"""Memory ledger: bytes a rank holds, by category, current and peak.
+
+    with labkit.ledger.memory(model, optimizer) as m:
+        loss = model(x).sum(); loss.backward(); optimizer.step()
+    m.current["Optstate"], m.peak["Activation"], m.at_peak
+
+Built on PyTorch's own MemTracker (torch.distributed._tools.mem_tracker, tested with
+torch 2.13), which sees every tensor storage created inside the block through a
+TorchDispatchMode, and uses its categories: Parameter, Buffer, Gradient,
+Activation, Temp, Optstate (and Other). Two refinements on top of it:
+
+- tensors created inside `optimizer.step()` count as Temp unless they survive the
+  step; survivors become Optstate (Adam's m and v) or Gradient (a `.grad` that
+  stays). The peaks inside the step are recomputed with those final categories.
+- parameters the optimizer owns that are not the model's (fp32 master weights in
+  mixed precision) count as Optstate, as in the ZeRO paper's K = 12 bytes/param.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp",
+              "Other")
+TESTED_TORCH = ("2.13",)
+
+_ACTIVE: MemoryLedger | None = None
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """Bytes an object graph holds right now (each storage counted once)."""
+
+    parameters: int = 0
+    buffers: int = 0
+    gradients: int = 0
+    optimizer_state: int = 0  # m, v, momentum ... and master weights it owns
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.buffers + self.gradients + self.optimizer_state
+
+
+def _storage_bytes(tensors, seen: set) -> int:
+    n = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        st = t.untyped_storage()
+        key = (st.data_ptr(), st.device)
+        if key not in seen:
+            seen.add(key)
+            n += st.nbytes()
+    return n
+
+
+def holdings(module: torch.nn.Module | None = None,
+             optimizer: torch.optim.Optimizer | None = None) -> Holdings:
+    """Count what `module` and `optimizer` hold, without tracking anything."""
+    seen: set = set()
+    params = list(module.parameters()) if module is not None else []
+    p = _storage_bytes(params, seen)
+    b = _storage_bytes(module.buffers(), seen) if module is not None else 0
+    opt_params = []
+    if optimizer is not None:
+        opt_params = [q for g in optimizer.param_groups for q in g["params"]]
+    g = _storage_bytes([q.grad for q in [*params, *opt_params] if q.grad is not None],
+                       seen)
+    o = 0
+    if optimizer is not None:
+        o = _storage_bytes(opt_params, seen)  # master weights (model params: seen)
+        o += _storage_bytes(
+            [v for state in optimizer.state.values() for v in state.values()], seen)
+    return Holdings(p, b, g, o)
+
+
+def _tracker_class():
+    """MemTracker, subclassed to report every change to the ledger. Imported on
+    first use: it pulls in DTensor (about 2 s)."""
+    global _TRACKER
+    if _TRACKER is not None:
+        return _TRACKER
+    from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
+
+    class _Tracker(MemTracker):
+        def __init__(self, ledger: MemoryLedger):
+            super().__init__()
+            self._ledger = ledger
+
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+            led = self._ledger
+            mem = winfo.mem_consumed
+            if u_type == _UpdateType.ADD:
+                led._change(winfo, {winfo.reftype: mem}, new=True)
+            elif u_type == _UpdateType.DEL:
+                led._change(winfo, {winfo.reftype: -mem}, gone=True)
+            elif u_type == _UpdateType.REF:
+                led._change(winfo, {old_reftype: -mem, winfo.reftype: mem})
+            elif u_type == _UpdateType.SIZE:
+                led._change(winfo, {winfo.reftype: mem - old_mem_consumed})
+
+        def retag(self, winfo, category: str) -> None:
+            from torch.distributed._tools.mem_tracker import _MemRefType
+
+            old, winfo.reftype = winfo.reftype, _MemRefType(category)
+            self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
+
+        def track_as(self, t: torch.Tensor, category: str) -> None:
+            from torch.distributed._tools.mem_tracker import _MemRefType
+
+            self._update_and_maybe_create_winfos(t, _MemRefType(category))
+
+    _TRACKER = _Tracker
+    return _TRACKER
+
+
+_TRACKER = None
+
+
+class MemoryLedger:
+    """Bytes by category: `current`, `peak` (each category's own maximum),
+    `at_peak` (the breakdown when the total peaked) and `phase_peaks`."""
+
+    def __init__(self, *tracked):
+        self._tracked = [t for t in tracked if t is not None]
+        self.current: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.at_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.phase_peaks: dict[str, dict[str, int]] = {}
+        self.cuda_peak: int | None = None  # the CUDA allocator's own peak, on GPUs
+        self._phases: list[str] = []
+        self._tracker = None
+        self._handles: list = []
+        self._step_depth = 0
+        self._step_log: list = []  # (winfo, deltas, phase) inside optimizer.step()
+        self._step_new: set = set()
+        self._step_gone: set = set()
+        self._step_start: dict[str, int] = {}
+
+    # -- public -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Label what happens inside this block (its peak lands in phase_peaks)."""
+        self._phases.append(str(name))
+        self._observe(self.current, self._phases[-1])  # a phase that allocates nothing
+        try:
+            yield self
+        finally:
+            self._phases.pop()
+
+    @property
+    def total(self) -> int:
+        return sum(self.current.values())
+
+    @property
+    def peak_total(self) -> int:
+        return sum(self.at_peak.values())
+
+    def __getstate__(self):
+        return {k: getattr(self, k) for k in
+                ("current", "peak", "at_peak", "phase_peaks", "cuda_peak")}
+
+    def __setstate__(self, state):
+        self.__init__()
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        cur = ", ".join(f"{k}={v}" for k, v in self.current.items() if v)
+        return f"MemoryLedger(current: {cur or 'nothing'}; peak total={self.peak_total})"
+
+    # -- context ----------------------------------------------------------------
+
+    def __enter__(self):
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise RuntimeError("a memory ledger is already recording in this process; "
+                               "nested memory ledgers are not supported")
+        _ACTIVE = self
+        try:
+            self._tracker = _tracker_class()(self)
+            self._tracker.track_external(*self._tracked)
+            for opt in self._tracked:
+                if isinstance(opt, torch.optim.Optimizer):
+                    self._track_master_weights(opt)
+            self._handles = [register_optimizer_step_pre_hook(self._step_pre)]
+            self._tracker.__enter__()  # registers MemTracker's own step hooks
+            self._handles.append(register_optimizer_step_post_hook(self._step_post))
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.reset_peak_memory_stats()
+        except BaseException:
+            _ACTIVE = None
+            self._remove_hooks()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        global _ACTIVE
+        try:
+            self._tracker.__exit__(*exc)
+        finally:
+            self._remove_hooks()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                self.cuda_peak = torch.cuda.max_memory_allocated()
+            _ACTIVE = None
+        return False
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _track_master_weights(self, opt: torch.optim.Optimizer) -> None:
+        model_params = {id(p) for m in self._tracked if isinstance(m, torch.nn.Module)
+                        for p in m.parameters()}
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in model_params:
+                    self._tracker.track_as(p, "Optstate")
+                    if p.grad is not None:
+                        self._tracker.track_as(p.grad, "Gradient")
+
+    # -- bookkeeping --------------------------------------------------------------
+
+    def _phase(self) -> str:
+        if self._phases:
+            return self._phases[-1]
+        if self._step_depth:
+            return "optimizer"
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        if self._tracker is not None and len(self._tracker._mod_tracker.parents) > 1:
+            return "forward"
+        return "other"
+
+    def _change(self, winfo, deltas: dict, new: bool = False, gone: bool = False):
+        deltas = {str(k.value if hasattr(k, "value") else k): v for k, v in
+                  deltas.items()}
+        if self._step_depth:
+            # inside optimizer.step(): new storages are Temp until they survive it
+            if new and "Optstate" in deltas:
+                deltas = {"Temp": deltas.pop("Optstate"), **deltas}
+                self._step_new.add(winfo)
+            elif winfo in self._step_new:
+                deltas = {("Temp" if k == "Optstate" else k): v
+                          for k, v in deltas.items()}
+            if gone:
+                self._step_gone.add(winfo)
+            self._step_log.append((winfo, deltas, self._phase()))
+            self._apply(self.current, deltas)
+            return
+        self._apply(self.current, deltas)
+        self._observe(self.current, self._phase())
+
+    @staticmethod
+    def _apply(snap: dict, deltas: dict) -> None:
+        for k, v in deltas.items():
+            snap[k] = snap.get(k, 0) + v
+
+    def _observe(self, snap: dict, phase: str) -> None:
+        for k, v in snap.items():
+            if v > self.peak.get(k, 0):
+                self.peak[k] = v
+        total = sum(snap.values())
+        if total > sum(self.at_peak.values()):
+            self.at_peak = dict(snap)
+        best = self.phase_peaks.get(phase)
+        if best is None or total > sum(best.values()):
+            self.phase_peaks[phase] = dict(snap)
+
+    def _step_pre(self, opt, args, kwargs) -> None:
+        if self._step_depth == 0:
+            self._step_start = dict(self.current)
+            if not self._phases:
+                self._observe(self.current, "optimizer")
+            self._step_log, self._step_new, self._step_gone = [], set(), set()
+        self._step_depth += 1
+
+    def _step_post(self, opt, args, kwargs) -> None:
+        self._step_depth -= 1
+        if self._step_depth:
+            return
+        survivors = self._step_new - self._step_gone
+        # replay the step with survivors as Optstate, so its peaks are right
+        snap = dict(self._step_start)
+        for winfo, deltas, phase in self._step_log:
+            if winfo in survivors:
+                deltas = {("Optstate" if k == "Temp" else k): v for k, v in deltas.items()}
+            self._apply(snap, deltas)
+            self._observe(snap, phase)
+        self.current = {k: snap.get(k, 0) for k in CATEGORIES}
+        self._step_log, self._step_new, self._step_gone = [], set(), set()
+        # a survivor that is some parameter's .grad (a kept fp32 master grad) is a
+        # Gradient, not optimizer state
+        grad_ptrs = {p.grad.untyped_storage().data_ptr()
+                     for g in opt.param_groups for p in g["params"] if p.grad is not None}
+        for st, (winfo, _) in list(self._tracker._WINFO.items()):
+            if winfo in survivors and st.data_ptr() in grad_ptrs:
+                self._tracker.retag(winfo, "Gradient")
+
+
+def memory(*tracked) -> MemoryLedger:
+    """A ledger of the memory this process holds, by category.
+
+    Pass the model(s), optimizer(s) and tensors created before the block, so they
+    are counted from the start; everything created inside is tracked by itself.
+    Works in a plain process too (no process group needed).
+    """
+    if not torch.__version__.startswith(TESTED_TORCH):
+        import warnings
+
+        warnings.warn(f"labkit's memory ledger is tested with torch {TESTED_TORCH}; "
+                      f"this is {torch.__version__}", stacklevel=2)
+    return MemoryLedger(*tracked)

@@ -1,0 +1,350 @@
+"""Traffic ledger: every collective and point-to-point call a rank makes.
+
+    with labkit.ledger.traffic() as t:
+        dist.all_reduce(x)
+    t.records[0].wire_bytes      # bytes this rank really wrote to its sockets
+
+A TorchDispatchMode sees the c10d and functional-collective ops, including those
+PyTorch issues itself (DDP's bucket all-reduce, FSDP2's all-gathers). For each call
+it records the payload S and bus bytes by the nccl-tests convention
+(github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md), and, on Linux with CPU tensors,
+the bytes the process wrote while the call ran (`wchar` in /proc/self/io). To give
+each call its own bytes, the ledger waits for every collective before the next one
+starts: inside it, async collectives run synchronously (no overlap).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from labkit import worker
+from labkit.units import human_bytes as human
+
+# nccl-tests bus-bandwidth factors: busbw = algbw * factor(n)
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "scatter": lambda n: (n - 1) / n,
+    "gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+    "barrier": lambda n: 0.0,
+}
+
+FIELDS = ("payload_bytes", "bus_bytes", "wire_bytes", "seconds", "elements")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One collective or point-to-point call, as one rank saw it."""
+
+    op: str  # all_reduce, all_gather, reduce_scatter, broadcast, ...
+    group_size: int
+    dtype: str
+    elements: int  # elements in the payload S
+    payload_bytes: int  # S, nccl-tests convention (whole array for gather/scatter)
+    bus_bytes: float  # S * bus factor
+    wire_bytes: int | None  # written to sockets during the call; None: unknown
+    seconds: float
+    start: float  # time.perf_counter() (CLOCK_MONOTONIC: one clock for all ranks)
+    phase: str
+    module: str | None
+    rank: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+# op name -> (our name, which positional argument holds the payload S, multiply by n?)
+_C10D = {
+    "allreduce_": ("all_reduce", 0, False),
+    "allreduce_coalesced_": ("all_reduce", 0, False),
+    "broadcast_": ("broadcast", 0, False),
+    "reduce_": ("reduce", 0, False),
+    "allgather_": ("all_gather", 0, False),
+    "_allgather_base_": ("all_gather", 0, False),
+    "allgather_coalesced_": ("all_gather", 0, False),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0, False),
+    "reduce_scatter_": ("reduce_scatter", 1, False),
+    "_reduce_scatter_base_": ("reduce_scatter", 1, False),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, False),
+    "alltoall_": ("all_to_all", 1, False),
+    "alltoall_base_": ("all_to_all", 1, False),
+    "scatter_": ("scatter", 0, True),
+    "gather_": ("gather", 1, True),
+    "send": ("send", 0, False),
+    "recv_": ("recv", 0, False),
+    "recv_any_source_": ("recv", 0, False),
+    "barrier": ("barrier", None, False),
+    "monitored_barrier_": ("barrier", None, False),
+}
+_FUNCTIONAL = {
+    "all_reduce": ("all_reduce", 0, False),
+    "all_reduce_": ("all_reduce", 0, False),
+    "all_reduce_coalesced": ("all_reduce", 0, False),
+    "all_reduce_coalesced_": ("all_reduce", 0, False),
+    "all_gather_into_tensor": ("all_gather", 0, True),
+    "all_gather_into_tensor_out": ("all_gather", 0, True),
+    "all_gather_into_tensor_coalesced": ("all_gather", 0, True),
+    "reduce_scatter_tensor": ("reduce_scatter", 0, False),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0, False),
+    "all_to_all_single": ("all_to_all", 0, False),
+    "broadcast": ("broadcast", 0, False),
+    "broadcast_": ("broadcast", 0, False),
+}
+_NAMESPACES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL,
+               "_c10d_functional_autograd": _FUNCTIONAL}
+
+
+def _classify(func):
+    ns, _, name = func._schema.name.partition("::")
+    table = _NAMESPACES.get(ns)
+    return ns, name, (table[name] if table and name in table else None)
+
+
+def _group_size(ns: str, args) -> int:
+    if ns == "c10d":
+        for a in args:
+            if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+                return dist.ProcessGroup.unbox(a).size()
+        return dist.get_world_size()
+    for a in reversed(args):  # functional ops name their group last
+        if isinstance(a, str):
+            return dist.distributed_c10d._resolve_process_group(a).size()
+    return dist.get_world_size()
+
+
+def _wait(ns: str, name: str, res):
+    """Wait for the call to finish; returns what the caller should get back."""
+    if ns != "c10d":
+        for t in _tensors(res):
+            torch.ops._c10d_functional.wait_tensor(t)
+        return res
+    if isinstance(res, torch.ScriptObject):
+        work = dist.distributed_c10d.Work.unbox(res)
+        work.wait()
+        if name in ("send", "recv_"):
+            # gloo's point-to-point work blocks if waited on twice: hand the caller
+            # an already-completed one
+            fut = torch.futures.Future()
+            fut.set_result(None)
+            return torch._C._distributed_c10d._create_work_from_future(fut).boxed()
+        return res
+    for a in res if isinstance(res, tuple) else ():
+        if isinstance(a, torch.ScriptObject) and "Work" in str(a._type()):
+            dist.distributed_c10d.Work.unbox(a).wait()
+    return res
+
+
+def _io_path_ok() -> bool:
+    try:
+        return _wchar() >= 0
+    except OSError:
+        return False
+
+
+def _wchar() -> int:
+    with open("/proc/self/io", "rb") as f:
+        for line in f:
+            if line.startswith(b"wchar:"):
+                return int(line.split()[1])
+    return -1
+
+
+_ACTIVE: TrafficLedger | None = None
+
+
+class TrafficLedger(TorchDispatchMode):
+    """Records every collective made inside it; see `traffic()`."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module] | None = None):
+        super().__init__()
+        self.records: list[Record] = []
+        self.rank = -1
+        self.start = self.stop = 0.0  # perf_counter at enter and exit
+        self._phases: list[str] = []
+        self._names = {id(m): name for name, m in (modules or {}).items()}
+        self._module_stack: list[str] = []
+        self._handles: list = []
+        self._in_optimizer = 0
+        self._wire_ok = False
+
+    # -- phases and modules ----------------------------------------------------
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Label the calls made inside this block (overrides forward/backward/...)."""
+        self._phases.append(str(name))
+        try:
+            yield self
+        finally:
+            self._phases.pop()
+
+    def _current_phase(self) -> str:
+        if self._phases:
+            return self._phases[-1]
+        if self._in_optimizer:
+            return "optimizer"
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        if self._module_stack:
+            return "forward"
+        return "other"
+
+    def _install_hooks(self) -> None:
+        from torch.nn.modules import module as nn_module
+        from torch.optim import optimizer as optim
+
+        def pre(mod, args):
+            self._module_stack.append(self._names.get(id(mod), type(mod).__name__))
+
+        def post(mod, args, out):
+            if self._module_stack:
+                self._module_stack.pop()
+
+        def opt_pre(opt, args, kwargs):
+            self._in_optimizer += 1
+
+        def opt_post(opt, args, kwargs):
+            self._in_optimizer -= 1
+
+        self._handles = [
+            nn_module.register_module_forward_pre_hook(pre),
+            nn_module.register_module_forward_hook(post, always_call=True),
+            optim.register_optimizer_step_pre_hook(opt_pre),
+            optim.register_optimizer_step_post_hook(opt_post),
+        ]
+
+    # -- the mode ----------------------------------------------------------------
+
+    def __enter__(self):
+        global _ACTIVE
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "labkit.ledger.traffic() needs a torch.distributed process group: use it "
+                "inside a function you run on the ranks (cluster.run(fn))."
+            )
+        if _ACTIVE is not None:
+            raise RuntimeError("a traffic ledger is already recording on this rank; "
+                               "nested traffic ledgers are not supported")
+        _ACTIVE = self
+        self.rank = dist.get_rank()
+        self._wire_ok = _io_path_ok()
+        self._install_hooks()
+        self.start = time.perf_counter()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        global _ACTIVE
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.stop = time.perf_counter()
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+            _ACTIVE = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns, name, kind = _classify(func)
+        if kind is None:
+            return func(*args, **kwargs)
+        op, arg, times_n = kind
+        n = _group_size(ns, args)
+        payload = _tensors(args[arg]) if arg is not None and arg < len(args) else []
+        elements = sum(t.numel() for t in payload) * (n if times_n else 1)
+        nbytes = sum(t.numel() * t.element_size() for t in payload) * (n if times_n
+                                                                        else 1)
+        dtype = str(payload[0].dtype).removeprefix("torch.") if payload else "-"
+        wire = self._wire_ok and not any(t.is_cuda for t in payload)
+        worker.STATE["activity"] = f"{op} of {human(nbytes)} (group of {n})"
+        w0 = _wchar() if wire else 0
+        t0 = time.perf_counter()
+        try:
+            res = _wait(ns, name, func(*args, **kwargs))
+        finally:
+            worker.STATE["activity"] = None
+        t1 = time.perf_counter()
+        w1 = _wchar() if wire else 0
+        self.records.append(Record(
+            op=op, group_size=n, dtype=dtype, elements=elements, payload_bytes=nbytes,
+            bus_bytes=nbytes * BUS_FACTOR[op](n), wire_bytes=(w1 - w0) if wire else None,
+            seconds=t1 - t0, start=t0, phase=self._current_phase(),
+            module=self._module_stack[-1] if self._module_stack else None,
+            rank=self.rank,
+        ))
+        return res
+
+    # -- summaries ---------------------------------------------------------------
+
+    def total(self, field: str = "wire_bytes", **where) -> float:
+        """Sum of a field over the records matching `where` (e.g. op="all_reduce")."""
+        return total(self.records, field, **where)
+
+    def by_op(self) -> dict[str, dict[str, float]]:
+        return summarize(self.records, "op")
+
+    def by_phase(self) -> dict[str, dict[str, float]]:
+        return summarize(self.records, "phase")
+
+    def __getstate__(self):  # what travels back from a rank: the data, no hooks
+        return {"records": self.records, "rank": self.rank, "start": self.start,
+                "stop": self.stop}
+
+    def __setstate__(self, state):
+        self.__init__()
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return (f"TrafficLedger(rank={self.rank}, {len(self.records)} calls, "
+                f"{human(self.total('payload_bytes'))} payload)")
+
+
+def traffic(modules: dict[str, torch.nn.Module] | torch.nn.Module | None = None
+            ) -> TrafficLedger:
+    """A ledger of this rank's collectives: `with labkit.ledger.traffic() as t:`.
+
+    Pass a model (or a name -> module dict) to label calls with module names.
+    """
+    if isinstance(modules, torch.nn.Module):
+        modules = {name or type(modules).__name__: m
+                   for name, m in modules.named_modules()}
+    return TrafficLedger(modules)
+
+
+def total(records, field: str = "wire_bytes", **where) -> float:
+    if field not in FIELDS:
+        raise ValueError(f"field must be one of {FIELDS}, not {field!r}")
+    return sum(getattr(r, field) or 0 for r in records
+               if all(getattr(r, k) == v for k, v in where.items()))
+
+
+def summarize(records, key: str) -> dict[str, dict[str, float]]:
+    """{key value: {"calls": n, "payload_bytes": ..., "bus_bytes": ..., ...}}"""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for r in records:
+        row = out[getattr(r, key)]
+        row["calls"] += 1
+        for f in FIELDS:
+            row[f] += getattr(r, f) or 0
+    return {k: dict(v) for k, v in out.items()}

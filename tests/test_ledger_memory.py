@@ -1,0 +1,177 @@
+"""The memory ledger against exact counts (numel x element size) of what is held."""
+
+import pytest
+import torch
+
+import labkit.ledger as L
+from labkit.precision import MasterWeights
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+}
+BASES = {"sgd": torch.optim.SGD, "sgd-momentum": torch.optim.SGD,
+         "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+KW = {"sgd": {"lr": 0.1}, "sgd-momentum": {"lr": 0.1, "momentum": 0.9},
+      "adam": {"lr": 1e-3}, "adamw": {"lr": 1e-3}}
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32),
+        torch.nn.ReLU(), torch.nn.Linear(32, 8),
+    ).to(dtype)
+
+
+def _bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _state_tensors(opt):
+    return [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
+def _setup(name, precision):
+    if precision == "fp32":
+        model = _model()
+        return model, OPTIMIZERS[name](model.parameters()), torch.float32
+    model = _model(torch.bfloat16)
+    return model, MasterWeights(model.parameters(), BASES[name], **KW[name]), \
+        torch.bfloat16
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-master"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_current_bytes_after_a_step_are_exact(name, precision):
+    model, opt, dtype = _setup(name, precision)
+    x = torch.randn(16, 64, dtype=dtype)
+    with L.memory(model, opt) as m:
+        model(x).float().sum().backward()
+        opt.step()
+    params = list(model.parameters())
+    assert m.current["Parameter"] == _bytes(params)
+    assert m.current["Gradient"] == _bytes(p.grad for p in params)
+    optstate = _bytes(_state_tensors(opt))
+    if precision == "bf16-master":
+        optstate += _bytes(opt.master)  # the fp32 master copy is optimizer state
+    assert m.current["Optstate"] == optstate
+    assert m.current["Temp"] == 0 and m.current["Activation"] == 0
+    h = L.holdings(model, opt)
+    assert (h.parameters, h.gradients, h.optimizer_state) == (
+        m.current["Parameter"], m.current["Gradient"], m.current["Optstate"])
+
+
+def test_adam_mixed_precision_is_16_bytes_per_parameter():
+    model, opt, _ = _setup("adam", "bf16-master")
+    psi = sum(p.numel() for p in model.parameters())
+    with L.memory(model, opt) as m:
+        model(torch.randn(16, 64, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+    step_counters = _bytes(s["step"] for s in opt.state.values())
+    assert m.current["Parameter"] == 2 * psi and m.current["Gradient"] == 2 * psi
+    assert m.current["Optstate"] - step_counters == 12 * psi  # master + m + v
+    total = (m.current["Parameter"] + m.current["Gradient"] + m.current["Optstate"]
+             - step_counters)
+    assert total == 16 * psi
+
+
+def test_step_temporaries_are_temp_not_optimizer_state():
+    model, opt, _ = _setup("adam", "bf16-master")
+    psi = sum(p.numel() for p in model.parameters())
+    with L.memory(model, opt) as m:
+        model(torch.randn(16, 64, dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+    # the fp32 gradients live only inside step(): at least 4 bytes/param of Temp there
+    assert m.phase_peaks["optimizer"]["Temp"] >= 4 * psi
+    assert m.peak["Temp"] >= 4 * psi and m.current["Temp"] == 0
+    # and none of it was folded into the state: the state never exceeded its final size
+    assert m.peak["Optstate"] == m.current["Optstate"]
+
+
+def test_activations_peak_in_forward_and_phases_are_labelled():
+    model, opt, _ = _setup("sgd", "fp32")
+    x = torch.randn(256, 64)
+    with L.memory(model, opt) as m:
+        loss = model(x).sum()
+        with m.phase("my backward"):
+            loss.backward()
+        opt.step()
+    # the ReLU outputs saved for backward: (256,128) + (256,32) floats at least
+    assert m.phase_peaks["forward"]["Activation"] >= 4 * 256 * (128 + 32)
+    assert "my backward" in m.phase_peaks and "optimizer" in m.phase_peaks
+    assert sum(m.at_peak.values()) == m.peak_total >= max(
+        sum(s.values()) for s in m.phase_peaks.values())
+
+
+def test_works_without_a_process_group_and_refuses_nesting():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    model = _model()
+    with L.memory(model) as m:
+        with pytest.raises(RuntimeError, match="nested"):
+            with L.memory(model):
+                pass
+    assert m.current["Parameter"] == _bytes(model.parameters())
+
+
+def _global_hook_counts():
+    from torch.nn.modules import module as nn_module
+    from torch.optim import optimizer as optim
+
+    return (
+        len(nn_module._global_forward_pre_hooks),
+        len(nn_module._global_forward_hooks),
+        len(nn_module._global_backward_pre_hooks),
+        len(nn_module._global_backward_hooks),
+        len(optim._global_optimizer_pre_hooks),
+        len(optim._global_optimizer_post_hooks),
+        torch._C._len_torch_dispatch_stack(),
+    )
+
+
+def test_leaving_the_block_removes_every_hook():
+    model, opt, _ = _setup("adam", "fp32")
+    before = _global_hook_counts()
+    resize = torch.UntypedStorage.resize_
+    with L.memory(model, opt):
+        assert _global_hook_counts() != before
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+    assert _global_hook_counts() == before
+    assert torch.UntypedStorage.resize_ is resize
+    for p in model.parameters():
+        assert not p._backward_hooks and not p._post_accumulate_grad_hooks
+
+
+def test_ledger_travels_by_pickle():
+    import pickle
+
+    model = _model()
+    with L.memory(model) as m:
+        model(torch.randn(4, 64))
+    back = pickle.loads(pickle.dumps(m))
+    assert back.current == m.current and back.at_peak == m.at_peak
+
+
+def test_master_weights_train_like_fp32_reference():
+    torch.manual_seed(1)
+    ref = _model()
+    low = _model(torch.bfloat16)
+    low.load_state_dict({k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()})
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    opt = MasterWeights(low.parameters(), torch.optim.SGD, lr=0.05)
+    x, y = torch.randn(32, 64), torch.randn(32, 8)
+    for _ in range(5):
+        for model, o, dt in ((ref, ref_opt, torch.float32), (low, opt, torch.bfloat16)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(model(x.to(dt)).float(), y).backward()
+            o.step()
+    # the master copy tracks the fp32 run closely; bf16 rounding is the only gap
+    for m, p in zip(opt.master, ref.parameters()):
+        torch.testing.assert_close(m, p, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError):
+        MasterWeights([])

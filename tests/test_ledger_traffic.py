@@ -1,0 +1,216 @@
+"""The traffic ledger on 4 real gloo ranks: what each call records, and the bytes
+each rank really wrote, against the ring formulas."""
+
+import pickle
+
+import pytest
+import torch
+
+import labkit
+import labkit.ledger as L
+
+N = 4
+M = 1 << 20  # elements: 4 MiB of float32
+
+
+def approx(measured, expected, rel=0.01):
+    return abs(measured - expected) <= rel * expected
+
+
+def _collectives(rank, world_size, m):
+    import torch.distributed as dist
+
+    from labkit.ledger import traffic
+
+    with traffic() as t:
+        dist.all_reduce(torch.ones(m))
+        dist.all_gather_into_tensor(torch.empty(m), torch.ones(m // world_size))
+        dist.reduce_scatter_tensor(torch.empty(m // world_size), torch.ones(m))
+        dist.broadcast(torch.ones(m), src=0)
+        dist.all_to_all_single(torch.empty(m), torch.ones(m))
+        if rank == 0:
+            dist.send(torch.ones(m), dst=1)
+        elif rank == 1:
+            dist.recv(torch.empty(m), src=0)
+        dist.barrier()
+    return t
+
+
+@pytest.fixture(scope="module")
+def ledgers(cluster):
+    return cluster.run(_collectives, M)
+
+
+def _one(t, op):
+    recs = [r for r in t.records if r.op == op]
+    assert len(recs) == 1, [r.op for r in t.records]
+    return recs[0]
+
+
+def test_all_reduce_writes_2_n_minus_1_over_n_times_m(ledgers):
+    S = 4 * M
+    for t in ledgers:
+        r = _one(t, "all_reduce")
+        assert (r.group_size, r.dtype, r.elements, r.payload_bytes) == (N, "float32", M, S)
+        assert r.bus_bytes == 2 * (N - 1) / N * S
+        assert approx(r.wire_bytes, 2 * (N - 1) / N * S)  # 1.5 * M bytes on the wire
+
+
+def test_all_gather_and_all_to_all_move_n_minus_1_over_n(ledgers):
+    S = 4 * M
+    for t in ledgers:
+        for op in ("all_gather", "all_to_all"):
+            r = _one(t, op)
+            assert r.payload_bytes == S  # nccl-tests: S is the whole gathered array
+            assert r.bus_bytes == (N - 1) / N * S
+            assert approx(r.wire_bytes, (N - 1) / N * S), (op, r.wire_bytes)
+
+
+def test_gloo_reduce_scatter_sends_as_much_as_an_all_reduce(ledgers):
+    # the ring model says (n-1)/n S; gloo implements it as a full all-reduce
+    S = 4 * M
+    for t in ledgers:
+        r = _one(t, "reduce_scatter")
+        assert r.payload_bytes == S and r.bus_bytes == (N - 1) / N * S
+        assert approx(r.wire_bytes, 2 * (N - 1) / N * S)
+
+
+def test_broadcast_is_a_tree_in_gloo(ledgers):
+    S = 4 * M
+    wires = [_one(t, "broadcast").wire_bytes for t in ledgers]
+    assert all(_one(t, "broadcast").bus_bytes == S for t in ledgers)
+    assert approx(sum(wires), (N - 1) * S)  # every non-root rank receives S once
+    assert approx(wires[0], 2 * S)  # the root feeds two children ...
+    assert wires[2] < 0.01 * S and wires[3] < 0.01 * S  # ... leaves send nothing
+
+
+def test_point_to_point_and_barrier(ledgers):
+    S = 4 * M
+    assert approx(_one(ledgers[0], "send").wire_bytes, S)
+    assert _one(ledgers[1], "recv").wire_bytes < 0.01 * S  # receiving writes nothing
+    assert not [r for r in ledgers[2].records if r.op in ("send", "recv")]
+    assert all(_one(t, "barrier").payload_bytes == 0 for t in ledgers)
+
+
+def test_summaries_and_pickling(ledgers):
+    t = ledgers[0]
+    assert [r.rank for r in t.records] == [0] * len(t.records)
+    assert t.total("payload_bytes", op="all_reduce") == 4 * M
+    by_op = t.by_op()
+    assert by_op["all_reduce"]["calls"] == 1
+    assert by_op["all_reduce"]["wire_bytes"] == _one(t, "all_reduce").wire_bytes
+    assert set(t.by_phase()) == {"other"}
+    assert t.total("seconds") > 0
+    back = pickle.loads(pickle.dumps(t))
+    assert back.records == t.records
+    with pytest.raises(ValueError, match="field"):
+        t.total("colour")
+
+
+def _ddp_and_phases(rank, world_size):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from labkit.ledger import traffic
+
+    class Sync(torch.nn.Module):  # a module whose forward makes a collective
+        def forward(self, x):
+            dist.all_reduce(x)
+            return x
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    ddp = DDP(model, bucket_cap_mb=100)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    with traffic(ddp) as t:
+        ddp(torch.randn(8, 256)).sum().backward()
+        with t.phase("my phase"):
+            dist.all_reduce(torch.ones(4))
+        Sync()(torch.ones(4))
+        import torch.distributed._functional_collectives as fc
+
+        fc.all_reduce(torch.ones(8), "sum", dist.group.WORLD).wait()
+    return t, grad_bytes
+
+
+def test_ddp_bucket_all_reduce_phases_modules_and_functional(cluster):
+    res = cluster.run(_ddp_and_phases)
+    for t, grad_bytes in res:
+        backward = [r for r in t.records if r.phase == "backward"]
+        assert [r.op for r in backward] == ["all_reduce"]  # one bucket
+        assert backward[0].payload_bytes == grad_bytes
+        assert approx(backward[0].wire_bytes, 2 * (N - 1) / N * grad_bytes)
+        assert [r.phase for r in t.records[1:]] == ["my phase", "forward", "other"]
+        assert t.records[2].module == "Sync"
+        assert t.records[3].op == "all_reduce" and t.records[3].elements == 8
+
+
+def test_traffic_needs_a_process_group_and_refuses_nesting(cluster):
+    with pytest.raises(RuntimeError, match="process group"):
+        with L.traffic():
+            pass
+
+    def nested(rank, world_size):
+        from labkit.ledger import traffic
+
+        with traffic():
+            try:
+                with traffic():
+                    pass
+            except RuntimeError as e:
+                return str(e)
+
+    assert all("nested" in msg for msg in cluster.run(nested))
+
+
+def _hooks_after(rank, world_size):
+    from torch.nn.modules import module as nn_module
+    from torch.optim import optimizer as optim
+
+    from labkit.ledger import traffic
+
+    def counts():
+        return (len(nn_module._global_forward_pre_hooks),
+                len(nn_module._global_forward_hooks),
+                len(optim._global_optimizer_pre_hooks),
+                len(optim._global_optimizer_post_hooks),
+                torch._C._len_torch_dispatch_stack())
+
+    before = counts()
+    with traffic():
+        inside = counts()
+    return before, inside, counts()
+
+
+def test_leaving_the_block_removes_every_hook(cluster):
+    for before, inside, after in cluster.run(_hooks_after):
+        assert inside != before and after == before
+
+
+def test_timeout_names_the_running_collective_and_its_size():
+    def lonely(rank, world_size):
+        import torch.distributed as dist
+
+        from labkit.ledger import traffic
+
+        if rank == 0:
+            with traffic():
+                dist.all_reduce(torch.ones(1 << 18))  # 1 MiB
+
+    with labkit.Cluster(2, timeout=2) as c:
+        with pytest.raises(labkit.CollectiveTimeout) as ei:
+            c.run(lonely)
+        assert "all_reduce of 1.0 MiB (group of 2)" in ei.value.busy[0]
+
+
+def test_timeout_names_the_collective_even_without_a_ledger():
+    def lonely(rank, world_size):
+        import torch.distributed as dist
+
+        if rank == 1:
+            dist.broadcast(torch.ones(1 << 16), src=1)  # 256 KiB
+
+    with labkit.Cluster(2, timeout=2) as c:
+        with pytest.raises(labkit.CollectiveTimeout) as ei:
+            c.run(lonely)
+        assert "broadcast of 256.0 KiB" in ei.value.busy[1]
