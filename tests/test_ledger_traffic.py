@@ -86,10 +86,16 @@ def test_broadcast_is_a_tree_in_gloo(ledgers):
 
 def test_point_to_point_and_barrier(ledgers):
     S = 4 * M
-    assert approx(_one(ledgers[0], "send").wire_bytes, S)
-    assert _one(ledgers[1], "recv").wire_bytes < 0.01 * S  # receiving writes nothing
+    send, recv = _one(ledgers[0], "send"), _one(ledgers[1], "recv")
+    assert (send.payload_bytes, recv.payload_bytes) == (S, S)
+    # not waited for, so no per-call bytes; they show in the block's total
+    assert send.wire_bytes is None and not send.complete
     assert not [r for r in ledgers[2].records if r.op in ("send", "recv")]
     assert all(_one(t, "barrier").payload_bytes == 0 for t in ledgers)
+    # everything rank 0 wrote = its collectives + the send, within 1%
+    colls = ledgers[0].total("wire_bytes")
+    assert approx(ledgers[0].written, colls + S)
+    assert approx(ledgers[1].written, ledgers[1].total("wire_bytes"))
 
 
 def test_summaries_and_pickling(ledgers):
@@ -185,6 +191,30 @@ def _hooks_after(rank, world_size):
 def test_leaving_the_block_removes_every_hook(cluster):
     for before, inside, after in cluster.run(_hooks_after):
         assert inside != before and after == before
+
+
+def _ring(rank, world_size, m):
+    import torch.distributed as dist
+
+    from labkit.ledger import traffic
+
+    x = torch.ones(m)
+    chunks = x.tensor_split(world_size)
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    with traffic() as t:  # isend/irecv pairs must not be serialised by the ledger
+        for s in range(world_size - 1):
+            buf = torch.empty_like(chunks[(rank - s - 1) % world_size])
+            reqs = [dist.isend(chunks[(rank - s) % world_size], right),
+                    dist.irecv(buf, left)]
+            for q in reqs:
+                q.wait()
+    return t
+
+
+def test_async_point_to_point_in_a_ring_does_not_deadlock(cluster):
+    for t in cluster.run(_ring, M, timeout=20):
+        assert [r.op for r in t.records] == ["send", "recv"] * (N - 1)
+        assert approx(t.written, (N - 1) / N * 4 * M)  # N-1 chunks of M/N
 
 
 def test_timeout_names_the_running_collective_and_its_size():

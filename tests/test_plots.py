@@ -11,7 +11,7 @@ from labkit.units import MiB
 def _rec(op, wire, bus, start, seconds, rank=0):
     return Record(op=op, group_size=4, dtype="float32", elements=0, payload_bytes=0,
                   bus_bytes=bus, wire_bytes=wire, seconds=seconds, start=start,
-                  phase="other", module=None, rank=rank)
+                  complete=True, phase="other", module=None, rank=rank)
 
 
 def _bars(ax):

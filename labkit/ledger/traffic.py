@@ -10,7 +10,9 @@ it records the payload S and bus bytes by the nccl-tests convention
 (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md), and, on Linux with CPU tensors,
 the bytes the process wrote while the call ran (`wchar` in /proc/self/io). To give
 each call its own bytes, the ledger waits for every collective before the next one
-starts: inside it, async collectives run synchronously (no overlap).
+starts: inside it, async collectives run synchronously (no overlap). Point-to-point
+send/recv are not waited for (a ring's isend would wait for a recv its peer has not
+posted yet): their bytes are in `written`, every byte the rank wrote in the block.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ class Record:
     payload_bytes: int  # S, nccl-tests convention (whole array for gather/scatter)
     bus_bytes: float  # S * bus factor
     wire_bytes: int | None  # written to sockets during the call; None: unknown
-    seconds: float
+    seconds: float  # until the call finished (complete) or was only issued (not)
     start: float  # time.perf_counter() (CLOCK_MONOTONIC: one clock for all ranks)
+    complete: bool  # False for send/recv: issued, not waited for (see `written`)
     phase: str
     module: str | None
     rank: int
@@ -133,26 +136,15 @@ def _group_size(ns: str, args) -> int:
     return dist.get_world_size()
 
 
-def _wait(ns: str, name: str, res):
-    """Wait for the call to finish; returns what the caller should get back."""
+def _wait(ns: str, res) -> None:
+    """Wait for a collective to finish (double waits are harmless for these)."""
     if ns != "c10d":
         for t in _tensors(res):
             torch.ops._c10d_functional.wait_tensor(t)
-        return res
-    if isinstance(res, torch.ScriptObject):
-        work = dist.distributed_c10d.Work.unbox(res)
-        work.wait()
-        if name in ("send", "recv_"):
-            # gloo's point-to-point work blocks if waited on twice: hand the caller
-            # an already-completed one
-            fut = torch.futures.Future()
-            fut.set_result(None)
-            return torch._C._distributed_c10d._create_work_from_future(fut).boxed()
-        return res
-    for a in res if isinstance(res, tuple) else ():
+        return
+    for a in res if isinstance(res, tuple) else (res,):
         if isinstance(a, torch.ScriptObject) and "Work" in str(a._type()):
             dist.distributed_c10d.Work.unbox(a).wait()
-    return res
 
 
 def _io_path_ok() -> bool:
@@ -181,12 +173,14 @@ class TrafficLedger(TorchDispatchMode):
         self.records: list[Record] = []
         self.rank = -1
         self.start = self.stop = 0.0  # perf_counter at enter and exit
+        self.written: int | None = None  # all bytes written inside the block
         self._phases: list[str] = []
         self._names = {id(m): name for name, m in (modules or {}).items()}
         self._module_stack: list[str] = []
         self._handles: list = []
         self._in_optimizer = 0
         self._wire_ok = False
+        self._w0: int | None = None
 
     # -- phases and modules ----------------------------------------------------
 
@@ -250,6 +244,7 @@ class TrafficLedger(TorchDispatchMode):
         self.rank = dist.get_rank()
         self._wire_ok = _io_path_ok()
         self._install_hooks()
+        self._w0 = _wchar() if self._wire_ok else None
         self.start = time.perf_counter()
         return super().__enter__()
 
@@ -259,6 +254,8 @@ class TrafficLedger(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self.stop = time.perf_counter()
+            if self._w0 is not None:
+                self.written = _wchar() - self._w0
             for h in self._handles:
                 h.remove()
             self._handles = []
@@ -276,12 +273,17 @@ class TrafficLedger(TorchDispatchMode):
         nbytes = sum(t.numel() * t.element_size() for t in payload) * (n if times_n
                                                                         else 1)
         dtype = str(payload[0].dtype).removeprefix("torch.") if payload else "-"
-        wire = self._wire_ok and not any(t.is_cuda for t in payload)
+        # point-to-point calls pair with a peer's later call (a ring's isend/irecv),
+        # so they are not waited for here: their bytes count only in `written`
+        p2p = op in ("send", "recv")
+        wire = self._wire_ok and not p2p and not any(t.is_cuda for t in payload)
         worker.STATE["activity"] = f"{op} of {human(nbytes)} (group of {n})"
         w0 = _wchar() if wire else 0
         t0 = time.perf_counter()
         try:
-            res = _wait(ns, name, func(*args, **kwargs))
+            res = func(*args, **kwargs)
+            if not p2p:
+                _wait(ns, res)
         finally:
             worker.STATE["activity"] = None
         t1 = time.perf_counter()
@@ -289,7 +291,7 @@ class TrafficLedger(TorchDispatchMode):
         self.records.append(Record(
             op=op, group_size=n, dtype=dtype, elements=elements, payload_bytes=nbytes,
             bus_bytes=nbytes * BUS_FACTOR[op](n), wire_bytes=(w1 - w0) if wire else None,
-            seconds=t1 - t0, start=t0, phase=self._current_phase(),
+            seconds=t1 - t0, start=t0, complete=not p2p, phase=self._current_phase(),
             module=self._module_stack[-1] if self._module_stack else None,
             rank=self.rank,
         ))
@@ -309,7 +311,7 @@ class TrafficLedger(TorchDispatchMode):
 
     def __getstate__(self):  # what travels back from a rank: the data, no hooks
         return {"records": self.records, "rank": self.rank, "start": self.start,
-                "stop": self.stop}
+                "stop": self.stop, "written": self.written}
 
     def __setstate__(self, state):
         self.__init__()
