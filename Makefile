@@ -10,7 +10,7 @@ TORCH  := torch==2.13.0
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 CELL_TIMEOUT ?= 120
 
-.PHONY: install lab test test-lib test-notebooks bench doctor clean-notebooks clean
+.PHONY: install lab test test-lib test-notebooks bench doctor images clean-notebooks clean
 
 install: $(STAMP)
 
@@ -38,6 +38,10 @@ doctor: install
 
 bench: install
 	$(BIN)/python -m labkit bench cluster
+	$(BIN)/python -m labkit bench ring
+
+images: install
+	$(BIN)/python -m labkit images
 
 clean-notebooks: install
 	$(BIN)/python -m labkit clean-notebooks notebooks/*.ipynb

@@ -1,4 +1,4 @@
-"""python -m labkit doctor | bench cluster | clean-notebooks FILES..."""
+"""python -m labkit doctor | bench cluster|ring | images | clean-notebooks FILES..."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="benchmarks, printed as ratios to a reference")
     b.add_argument("what", choices=["cluster"])
     b.add_argument("--world-size", type=int, default=4)
+    sub.add_parser("images", help="draw the course's diagrams into images/")
     c = sub.add_parser("clean-notebooks", help="strip outputs and execution counts")
     c.add_argument("paths", nargs="+")
     args = p.parse_args(argv)
@@ -25,6 +26,12 @@ def main(argv: list[str] | None = None) -> int:
         from labkit.bench import bench_cluster
 
         return bench_cluster(args.world_size)
+    if args.cmd == "images":
+        from labkit.images import render
+
+        for path in render():
+            print(f"wrote {path}")
+        return 0
     if args.cmd == "clean-notebooks":
         from labkit.nbclean import clean
 

@@ -241,3 +241,178 @@ def measured_vs_expected(rows, *, unit: float = 1.0, unit_name: str = "bytes",
                          tolerance: float | None = None) -> Comparison:
     """rows: (name, measured, expected) triples -> a table with relative errors."""
     return Comparison(rows, unit=unit, unit_name=unit_name, tolerance=tolerance)
+
+
+# --------------------------------------------------------------------- diagrams
+
+
+def _cell(ax, x, y, text, color, *, edge="white", lw=1.0, alpha=1.0):
+    from matplotlib.patches import Rectangle
+
+    ax.add_patch(Rectangle((x, y), 1, 1, facecolor=color, edgecolor=edge, lw=lw,
+                           alpha=alpha))
+    ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=9)
+
+
+def _fmt_value(v) -> str:
+    return f"{v:g}" if isinstance(v, (int, float)) else str(v)
+
+
+RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860",
+               "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD"]
+
+
+def collective_diagram(op: str, before, after, *, ax=None) -> Figure:
+    """Each rank's array before and after `op` (None: undefined after it).
+
+    Cells before are coloured by the rank that holds them; cells after are grey
+    when they mix contributions, else coloured by where they came from."""
+    n = len(before)
+    width_b = max(len(b) for b in before)
+    width_a = max((len(a) for a in after if a is not None), default=1)
+    fig, ax = _axes(ax, (0.5 * (width_b + width_a) + 2.5, 0.5 * n + 1.0))
+    gap = 2
+    for r in range(n):
+        y = n - 1 - r
+        for i, v in enumerate(before[r]):
+            _cell(ax, i, y, _fmt_value(v), RANK_COLORS[r % len(RANK_COLORS)], alpha=0.45)
+        ax.text(-0.3, y + 0.5, f"rank {r}", ha="right", va="center", fontsize=9)
+        out = after[r]
+        x0 = width_b + gap
+        if out is None:
+            _cell(ax, x0, y, "–", "#EEEEEE")
+            continue
+        for i, v in enumerate(out):
+            _cell(ax, x0 + i, y, _fmt_value(v), "#BBBBBB", alpha=0.6)
+    ax.annotate("", xy=(width_b + gap - 0.2, n / 2), xytext=(width_b + 0.2, n / 2),
+                arrowprops={"arrowstyle": "->", "lw": 1.5})
+    ax.text(width_b / 2, n + 0.2, "before", ha="center", fontsize=10)
+    ax.text(width_b + gap + width_a / 2, n + 0.2, "after", ha="center", fontsize=10)
+    ax.set_xlim(-2.2, width_b + gap + width_a + 0.3)
+    ax.set_ylim(-0.2, n + 0.8)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(op.replace("_", "-"), fontsize=12)
+    return fig
+
+
+def ring_grid(step, *, ax=None) -> Figure:
+    """One state of ring all-reduce (a labkit.collectives.RingStep): rank rows x
+    chunk columns; a cell lists the ranks whose values it sums, darker = more.
+    Outlined cells are the ones sent during this step."""
+    holds = step.holds
+    n = len(holds)
+    fig, ax = _axes(ax, (0.75 * n + 1.6, 0.6 * n + 1.2))
+    sent = {(src, c) for src, _, c in step.sends}
+    for r in range(n):
+        y = n - 1 - r
+        for c in range(n):
+            members = sorted(holds[r][c])
+            label = "Σ" if len(members) == n else "+".join(map(str, members))
+            if n > 6 and len(members) not in (1, n):
+                label = str(len(members))
+            shade = 0.15 + 0.85 * len(members) / n
+            sending = (r, c) in sent
+            _cell(ax, c, y, label, "#4C72B0", alpha=shade, edge="black" if sending
+                  else "white", lw=2.0 if sending else 1.0)
+        ax.text(-0.3, y + 0.5, f"rank {r}", ha="right", va="center", fontsize=8)
+    for c in range(n):
+        ax.text(c + 0.5, n + 0.15, f"chunk {c}", ha="center", fontsize=7)
+    ax.set_xlim(-1.6, n + 0.1)
+    ax.set_ylim(-0.1, n + 0.6)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    total = n - 1
+    title = "start: each rank holds only its own data" if step.phase == "start" else \
+        f"{step.phase} step {step.step} of {total}"
+    ax.set_title(title, fontsize=10)
+    return fig
+
+
+def bandwidth(points, fits=None, *, ax=None, metric: str = "busbw",
+              title: str = "Bus bandwidth by message size (a timing)") -> Figure:
+    """busbw (or algbw) against message size, one line per op (labkit.bandwidth
+    points); `fits` maps op -> labkit.theory.AlphaBeta, drawn dashed."""
+    fig, ax = _axes(ax, (7, 4))
+    ops = list(dict.fromkeys(p.op for p in points))
+    for op in ops:
+        pts = sorted((p for p in points if p.op == op), key=lambda p: p.size)
+        color = OP_COLORS.get(op, OP_COLORS["all_reduce"] if "ring" in op else None)
+        style = "--o" if op == "ring_all_reduce" else "-o"
+        ax.plot([p.size for p in pts], [getattr(p, metric) / 1e9 for p in pts], style,
+                color=color, label=op.replace("_", "-"), ms=3,
+                mfc="white" if op == "ring_all_reduce" else color)
+        if fits and op in fits:
+            from labkit.theory import bus_factor
+
+            fit = fits[op]
+            xs = [p.size for p in pts]
+            ys = [s / fit.time(s) * (bus_factor(fit.op, fit.n) if metric == "busbw"
+                                     else 1.0) / 1e9 for s in xs]
+            ax.plot(xs, ys, ":", color=color, lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size S (bytes)")
+    ax.set_ylabel(f"{metric} (GB/s, 1 GB = 1e9 B)")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def hierarchy(levels, *, ax=None, title: str = "Bandwidth by level (published figures)"
+              ) -> Figure:
+    """Horizontal bars of bandwidth (log scale) for labkit.hardware Levels; levels
+    with no published figure are listed, not drawn."""
+    levels = list(levels)
+    fig, ax = _axes(ax, (8, 0.45 * len(levels) + 1.2))
+    ys = list(range(len(levels)))[::-1]
+    for y, lv in zip(ys, levels):
+        if lv.bandwidth:
+            ax.barh(y, lv.bandwidth / 1e9, color="#4C72B0")
+            ax.text(lv.bandwidth / 1e9 * 1.1, y, f"{lv.bandwidth / 1e9:,.0f} GB/s",
+                    va="center", fontsize=8)
+        else:
+            ax.text(1.1, y, "no published bandwidth", va="center", fontsize=8,
+                    style="italic", color="#666666")
+    ax.set_yticks(ys, [lv.name for lv in levels], fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlim(1, 5e4)
+    ax.set_xlabel("GB/s (1 GB = 1e9 B), per direction where it applies")
+    ax.set_title(title)
+    return fig
+
+
+def link_load(routed, topo, *, ax=None, title: str | None = None) -> Figure:
+    """A topology drawn with each cable coloured by the bytes it carries (the
+    larger direction), from labkit.topology.route."""
+    from matplotlib import colormaps
+
+    fig, ax = _axes(ax, (5, 4))
+    cmap = colormaps["viridis"]
+    peak = max(routed.link_bytes.values(), default=1.0) or 1.0
+    drawn = set()
+    for (a, b) in topo.links:
+        key = tuple(sorted((a, b)))
+        if key in drawn:
+            continue
+        drawn.add(key)
+        load = max(routed.link_bytes.get((a, b), 0.0), routed.link_bytes.get((b, a), 0.0))
+        (xa, ya), (xb, yb) = topo.pos[a], topo.pos[b]
+        color = cmap(load / peak) if load else "#DDDDDD"
+        lw = 1 + 3 * load / peak
+        if abs(xa - xb) > 1.01 or abs(ya - yb) > 1.01:  # wraparound: two stubs
+            dx, dy = (xb - xa), (yb - ya)
+            ux, uy = (-0.35 * (dx > 0) + 0.35 * (dx < 0), -0.35 * (dy > 0)
+                      + 0.35 * (dy < 0))
+            ax.plot([xa, xa + ux], [ya, ya + uy], color=color, lw=lw, ls=":")
+            ax.plot([xb, xb - ux], [yb, yb - uy], color=color, lw=lw, ls=":")
+        else:
+            ax.plot([xa, xb], [ya, yb], color=color, lw=lw, zorder=1)
+    for d in topo.devices:
+        ax.scatter(*topo.pos[d], s=60, color="black", zorder=2)
+    for s in set(topo.pos) - set(topo.devices):
+        ax.scatter(*topo.pos[s], s=160, marker="s", color="#8172B3", zorder=2)
+    ax.set_title(title or f"{topo.name}: busiest link {peak / 1e9:.2f} GB "
+                 f"(dotted: wraparound)", fontsize=9)
+    ax.axis("off")
+    ax.set_aspect("equal", adjustable="datalim")
+    return fig

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-KB, MB, GB = 1e3, 1e6, 1e9
+KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
 

@@ -24,8 +24,8 @@ def _collectives(rank, world_size, m):
 
     with traffic() as t:
         dist.all_reduce(torch.ones(m))
-        dist.all_gather_into_tensor(torch.empty(m), torch.ones(m // world_size))
-        dist.reduce_scatter_tensor(torch.empty(m // world_size), torch.ones(m))
+        dist.all_gather_single(torch.empty(m), torch.ones(m // world_size))
+        dist.reduce_scatter_single(torch.empty(m // world_size), torch.ones(m))
         dist.broadcast(torch.ones(m), src=0)
         dist.all_to_all_single(torch.empty(m), torch.ones(m))
         if rank == 0:
