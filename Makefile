@@ -10,7 +10,7 @@ TORCH  := torch==2.13.0
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 CELL_TIMEOUT ?= 120
 
-.PHONY: install lab test test-lib test-notebooks bench doctor images clean-notebooks clean
+.PHONY: install lab test lint test-lib test-notebooks bench doctor images clean-notebooks clean
 
 install: $(STAMP)
 
@@ -22,9 +22,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lab: install
-	$(BIN)/jupyter lab $(ROOT_FLAG) --notebook-dir=notebooks
+	$(BIN)/jupyter lab $(ROOT_FLAG) notebooks/00_lab_tour.ipynb
 
-test: test-lib test-notebooks
+test: lint test-lib test-notebooks
+
+lint: install
+	$(BIN)/ruff check labkit tests
 
 test-lib: install
 	$(BIN)/python -m pytest tests -q

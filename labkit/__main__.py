@@ -9,9 +9,9 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m labkit")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("doctor", help="versions, backend, and a 2-rank all_reduce smoke test")
+    sub.add_parser("doctor", help="versions, backend, and a 2-rank smoke test")
     b = sub.add_parser("bench", help="benchmarks, printed as ratios to a reference")
-    b.add_argument("what", choices=["cluster"])
+    b.add_argument("what", choices=["cluster", "ring"])
     b.add_argument("--world-size", type=int, default=4)
     sub.add_parser("images", help="draw the course's diagrams into images/")
     c = sub.add_parser("clean-notebooks", help="strip outputs and execution counts")
@@ -23,8 +23,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor()
     if args.cmd == "bench":
-        from labkit.bench import bench_cluster
+        from labkit.bench import bench_cluster, bench_ring
 
+        if args.what == "ring":
+            return bench_ring(args.world_size)
         return bench_cluster(args.world_size)
     if args.cmd == "images":
         from labkit.images import render

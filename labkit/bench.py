@@ -162,3 +162,34 @@ def bench_cluster(world_size: int = 4, calls: int = 2000) -> int:
           f"(target ≥ 1000x: {'ok' if hit else 'MISSED'})")
     print("all targets met" if ok else "some targets missed")
     return 0
+
+
+def bench_ring(world_size: int = 4, size: int = 16 << 20, rounds: int = 5) -> int:
+    """The from-scratch ring all-reduce's busbw vs PyTorch's, same ranks, same run,
+    alternating the two so that machine noise hits both alike."""
+    import labkit
+    from labkit.bandwidth import time_collective
+    from labkit.cluster import _zygote
+    from labkit.theory import bus_factor
+
+    n = world_size
+    factor = bus_factor("all_reduce", n)
+    print(f"labkit bench ring: {n} ranks, {size / 2**20:g} MiB all-reduce, "
+          f"{rounds} rounds (all timings)")
+    busbw: dict[str, list[float]] = {"all_reduce": [], "ring_all_reduce": []}
+    with labkit.Cluster(n) as c:
+        _zygote().wait_preloaded()
+        for k in range(rounds):
+            _progress(f"round {k + 1} of {rounds}")
+            for op in busbw:
+                res = c.run(time_collective, op, size, min_seconds=0.5, max_iters=50)
+                secs = max(v[0] for v in res)
+                busbw[op].append(size / secs * factor)
+    med = {op: statistics.median(v) for op, v in busbw.items()}
+    for op, v in busbw.items():
+        print(f"{op:<18} busbw median {med[op] / 1e9:.3f} GB/s  "
+              f"(rounds: {', '.join(f'{x / 1e9:.3f}' for x in v)})")
+    ratio = med["ring_all_reduce"] / med["all_reduce"]
+    print(f"\nring / built-in busbw = {ratio:.2f}  (target ≥ 0.8: "
+          f"{'ok' if ratio >= 0.8 else 'MISSED'})")
+    return 0

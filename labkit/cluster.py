@@ -290,7 +290,8 @@ class RankResults:
         )
         return (
             f"<table><caption>RankResults, world_size={self.world_size}</caption>"
-            f"<tr><th>rank</th><th style='text-align:left'>value</th></tr>{rows}</table>"
+            "<tr><th>rank</th><th style='text-align:left'>value</th></tr>"
+            f"{rows}</table>"
         )
 
 
@@ -544,7 +545,7 @@ class Cluster:
             except ProcessLookupError:
                 pass
         end = time.monotonic() + 2.0
-        for rank, pid in self._pids.items():
+        for rank in self._pids:
             fd = self._pidfds.pop(rank, None)
             if fd is not None:
                 select_one(fd, max(0.0, end - time.monotonic()))
@@ -573,8 +574,8 @@ class Cluster:
         while pending:
             stop = deadline
             if first_failure is not None:
-                stop = first_failure + GRACE if stop is None else min(stop,
-                                                                      first_failure + GRACE)
+                grace_end = first_failure + GRACE
+                stop = grace_end if stop is None else min(stop, grace_end)
             left = None if stop is None else stop - time.monotonic()
             if left is not None and left <= 0:
                 break

@@ -3,7 +3,7 @@ exercise checks compare real ranks against), and ring all-reduce from send/recv.
 
     simulate("reduce_scatter", course_example(4))  ->  [[6], [10], [14], [18]]
     ring_steps(4)                                   the N x N chunk grid, step by step
-    ring_all_reduce(tensor)                         on real ranks (call inside cluster.run)
+    ring_all_reduce(tensor)                         on real ranks (inside cluster.run)
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def _chunks(xs: list, n: int, what: str) -> list[list]:
     return [xs[i * k:(i + 1) * k] for i in range(n)]
 
 
-def simulate(op: str, data: list[list[float]], root: int = 0) -> list[list[float] | None]:
+def simulate(op: str, data: list[list[float]], root: int = 0
+             ) -> list[list[float] | None]:
     """What every rank holds after `op`, from what each held before.
 
     data[r] is rank r's input. For all_gather it is r's shard; for reduce_scatter,
@@ -39,7 +40,8 @@ def simulate(op: str, data: list[list[float]], root: int = 0) -> list[list[float
         raise ValueError(f"unknown collective {op!r}; one of {OPS}")
     if n < 1 or not 0 <= root < n:
         raise ValueError(f"need at least one rank and 0 <= root < {n}, got root={root}")
-    if op in ("reduce", "all_reduce", "reduce_scatter") and len({len(d) for d in data}) > 1:
+    same_length = len({len(d) for d in data}) == 1
+    if op in ("reduce", "all_reduce", "reduce_scatter") and not same_length:
         raise ValueError(f"{op}: every rank must hold the same number of elements")
 
     def total(rows):

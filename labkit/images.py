@@ -68,8 +68,8 @@ def render(outdir: Path = IMAGES) -> list[Path]:
             path = outdir / f"{name}.svg"
             _figure(name, data).savefig(path, format="svg", metadata={"Date": None})
             text = path.read_text()
-            path.write_text(text.replace("<svg ", f"<!-- {MARK}{digest(data)} -->\n<svg ",
-                                         1))
+            stamp = f"<!-- {MARK}{digest(data)} -->\n<svg "
+            path.write_text(text.replace("<svg ", stamp, 1))
             written.append(path)
     return written
 

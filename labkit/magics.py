@@ -7,7 +7,8 @@
     print(x)
 
 `rank`, `world_size`, `torch` and `dist` are bound. `-c NAME` runs on the cluster
-held in the notebook variable NAME instead of the shared one of size -n. Each rank keeps one namespace
+held in the notebook variable NAME instead of the shared one of size -n. Each rank
+keeps one namespace
 for its %%ranks cells, so a later cell sees what an earlier one defined (until the
 ranks restart after a failure).
 """

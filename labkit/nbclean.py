@@ -12,7 +12,8 @@ def dirty_cells(path: str | Path) -> list[int]:
     return [
         i
         for i, c in enumerate(nb.get("cells", []))
-        if c.get("cell_type") == "code" and (c.get("outputs") or c.get("execution_count"))
+        if c.get("cell_type") == "code"
+        and (c.get("outputs") or c.get("execution_count"))
     ]
 
 

@@ -151,7 +151,7 @@ def timeline(ledgers, *, ax=None, title: str = "Timeline (a timing: varies run t
     origin = min([s for s in starts if s] + [rec.start for rec in recs_all] or [0.0])
     fig, ax = _axes(ax, (8, 0.8 + 0.6 * len(ranks)))
     seen = set()
-    for lane, (r, v) in enumerate(ranks.items()):
+    for lane, v in enumerate(ranks.values()):
         recs = sorted(_records(v), key=lambda rec: rec.start)
         t0 = getattr(v, "start", None) or (recs[0].start if recs else origin)
         t1 = getattr(v, "stop", None) or (recs[-1].start + recs[-1].seconds if recs
@@ -275,7 +275,8 @@ def collective_diagram(op: str, before, after, *, ax=None) -> Figure:
     for r in range(n):
         y = n - 1 - r
         for i, v in enumerate(before[r]):
-            _cell(ax, i, y, _fmt_value(v), RANK_COLORS[r % len(RANK_COLORS)], alpha=0.45)
+            color = RANK_COLORS[r % len(RANK_COLORS)]
+            _cell(ax, i, y, _fmt_value(v), color, alpha=0.45)
         ax.text(-0.3, y + 0.5, f"rank {r}", ha="right", va="center", fontsize=9)
         out = after[r]
         x0 = width_b + gap
@@ -395,7 +396,8 @@ def link_load(routed, topo, *, ax=None, title: str | None = None) -> Figure:
         if key in drawn:
             continue
         drawn.add(key)
-        load = max(routed.link_bytes.get((a, b), 0.0), routed.link_bytes.get((b, a), 0.0))
+        load = max(routed.link_bytes.get((a, b), 0.0),
+                   routed.link_bytes.get((b, a), 0.0))
         (xa, ya), (xb, yb) = topo.pos[a], topo.pos[b]
         color = cmap(load / peak) if load else "#DDDDDD"
         lw = 1 + 3 * load / peak

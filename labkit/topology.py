@@ -138,14 +138,17 @@ def ring_order(topo: Topology) -> list[str]:
 # ------------------------------------------------------------------ transfers
 
 
-def ring_all_reduce_transfers(order: list[str], size: float) -> list[tuple[str, str, float]]:
+Transfer = tuple[str, str, float]  # (from device, to device, bytes)
+
+
+def ring_all_reduce_transfers(order: list[str], size: float) -> list[Transfer]:
     """Ring all-reduce of `size` bytes: 2(n-1) steps of size/n to the next device."""
     n = len(order)
     per = 2 * (n - 1) * size / n
     return [(order[i], order[(i + 1) % n], per) for i in range(n)]
 
 
-def all_to_all_transfers(devices: list[str], size: float) -> list[tuple[str, str, float]]:
+def all_to_all_transfers(devices: list[str], size: float) -> list[Transfer]:
     """All-to-all of `size` bytes per device: size/n to every other device."""
     n = len(devices)
     return [(a, b, size / n) for a in devices for b in devices if a != b]

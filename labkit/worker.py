@@ -1,10 +1,11 @@
 """Rank processes: the zygote that forks them and the loop each rank runs.
 
-A kernel starts one zygote (a fresh ``python`` running ``zygote_main``). The zygote imports torch
-once and then forks ranks on request, so a cluster starts in a fraction of a second
-after the first. Each rank leaves the kernel's session (the kernel's SIGINT never
-reaches it), watches the kernel's pid and exits if the kernel dies, connects back to
-its cluster over a Unix socket, joins the process group, and runs what it is sent.
+A kernel starts one zygote (a fresh ``python`` running ``zygote_main``). The zygote
+imports torch once and then forks ranks on request, so a cluster starts in a
+fraction of a second after the first. Each rank leaves the kernel's session (the
+kernel's SIGINT never reaches it), watches the kernel's pid and exits if the kernel
+dies, connects back to its cluster over a Unix socket, joins the process group, and
+runs what it is sent.
 
 Messages, kernel -> rank: cloudpickled ``("call", call_id, fn, args, kwargs)``;
 rank -> kernel: ``("ok", call_id, value, seconds)`` or ``("error", call_id, info,
@@ -100,7 +101,8 @@ def zygote_main(ctrl_fd: int, lifeline_fd: int, kernel_pid: int) -> None:
             if msg[0] == "spawn":
                 sys.stdout.flush()
                 sys.stderr.flush()
-                pids = [_fork_rank(spec, (ctrl.fileno(), wake_r, wake_w)) for spec in msg[1]]
+                keep = (ctrl.fileno(), wake_r, wake_w)
+                pids = [_fork_rank(spec, keep) for spec in msg[1]]
                 _wire.send(ctrl, ("spawned", pids))
                 served = True
 
@@ -246,7 +248,8 @@ def _serve_calls(main: socket.socket, rank: int, world_size: int) -> None:
             data = cloudpickle.dumps(reply, protocol=5)
         except Exception as e:  # noqa: BLE001
             err = TypeError(f"rank {rank} returned a value that cannot be pickled: {e}")
-            data = cloudpickle.dumps(("error", call_id, describe_exception(err), reply[-1]))
+            data = cloudpickle.dumps(
+                ("error", call_id, describe_exception(err), reply[-1]))
         _wire.send_bytes(main, data)
 
 

@@ -227,7 +227,8 @@ def _listening(pid: int) -> list[str]:
                 if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
                     addr = cols[1].split(":")[0]
                     if v6:
-                        found.append(socket.inet_ntop(socket.AF_INET6, bytes.fromhex(addr)))
+                        raw = bytes.fromhex(addr)
+                        found.append(socket.inet_ntop(socket.AF_INET6, raw))
                     else:
                         found.append(socket.inet_ntoa(bytes.fromhex(addr)[::-1]))
     return found

@@ -70,7 +70,8 @@ def test_ranks_magic_errors_show_the_cell_line(shell):
     import labkit
 
     with pytest.raises(labkit.RankError) as ei:
-        shell.run_cell_magic("ranks", "-n 2 -t 10", "y = 1\nraise OSError('cell says no')\n")
+        shell.run_cell_magic("ranks", "-n 2 -t 10",
+                             "y = 1\nraise OSError('cell says no')\n")
     assert "raise OSError('cell says no')" in ei.value.failures[0]
     with pytest.raises(ValueError, match="usage"):
         shell.run_cell_magic("ranks", "--bogus", "pass\n")
@@ -82,6 +83,7 @@ def test_ranks_magic_on_a_named_cluster(shell, capsys):
     with labkit.Cluster(3) as c:
         shell.user_ns["mine"] = c
         shell.run_cell_magic("ranks", "-c mine", "print(world_size)\n")
-        assert capsys.readouterr().out.splitlines() == [f"[rank {r}] 3" for r in range(3)]
+        lines = capsys.readouterr().out.splitlines()
+        assert lines == [f"[rank {r}] 3" for r in range(3)]
     with pytest.raises(ValueError, match="no labkit.Cluster named 'nothing'"):
         shell.run_cell_magic("ranks", "-c nothing", "pass\n")

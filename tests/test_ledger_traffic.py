@@ -51,7 +51,8 @@ def test_all_reduce_writes_2_n_minus_1_over_n_times_m(ledgers):
     S = 4 * M
     for t in ledgers:
         r = _one(t, "all_reduce")
-        assert (r.group_size, r.dtype, r.elements, r.payload_bytes) == (N, "float32", M, S)
+        got = (r.group_size, r.dtype, r.elements, r.payload_bytes)
+        assert got == (N, "float32", M, S)
         assert r.bus_bytes == 2 * (N - 1) / N * S
         assert approx(r.wire_bytes, 2 * (N - 1) / N * S)  # 1.5 * M bytes on the wire
 

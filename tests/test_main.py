@@ -19,9 +19,10 @@ def test_doctor_reports_and_runs_a_smoke_test():
 
 def test_clean_notebooks_command(tmp_path):
     p = tmp_path / "a.ipynb"
-    p.write_text(json.dumps({"cells": [{"cell_type": "code", "source": "", "metadata": {},
-                                        "execution_count": 1, "outputs": []}],
-                             "metadata": {}, "nbformat": 4, "nbformat_minor": 4}))
+    cell = {"cell_type": "code", "source": "", "metadata": {}, "execution_count": 1,
+            "outputs": []}
+    p.write_text(json.dumps({"cells": [cell], "metadata": {}, "nbformat": 4,
+                             "nbformat_minor": 4}))
     out = _labkit("clean-notebooks", str(p))
     assert out.returncode == 0 and "cleaned" in out.stdout
     assert json.loads(p.read_text())["cells"][0]["execution_count"] is None

@@ -46,7 +46,8 @@ def _req(spec: str) -> tuple[str, str]:
 def test_environment_yml_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     py = {_req(s) for s in project["dependencies"]}
-    py |= {_req(s) for group in project["optional-dependencies"].values() for s in group}
+    extras = project["optional-dependencies"].values()
+    py |= {_req(s) for group in extras for s in group}
     text = (ROOT / "environment.yml").read_text().split("\ndependencies:", 1)[1]
     conda = set()
     for line in text.splitlines():

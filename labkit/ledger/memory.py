@@ -19,7 +19,6 @@ Activation, Temp, Optstate (and Other). Two refinements on top of it:
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -176,7 +175,8 @@ class MemoryLedger:
 
     def __repr__(self) -> str:
         cur = ", ".join(f"{k}={v}" for k, v in self.current.items() if v)
-        return f"MemoryLedger(current: {cur or 'nothing'}; peak total={self.peak_total})"
+        return (f"MemoryLedger(current: {cur or 'nothing'}; "
+                f"peak total={self.peak_total})")
 
     # -- context ----------------------------------------------------------------
 
@@ -294,15 +294,17 @@ class MemoryLedger:
         snap = dict(self._step_start)
         for winfo, deltas, phase in self._step_log:
             if winfo in survivors:
-                deltas = {("Optstate" if k == "Temp" else k): v for k, v in deltas.items()}
+                deltas = {("Optstate" if k == "Temp" else k): v
+                          for k, v in deltas.items()}
             self._apply(snap, deltas)
             self._observe(snap, phase)
         self.current = {k: snap.get(k, 0) for k in CATEGORIES}
         self._step_log, self._step_new, self._step_gone = [], set(), set()
         # a survivor that is some parameter's .grad (a kept fp32 master grad) is a
         # Gradient, not optimizer state
-        grad_ptrs = {p.grad.untyped_storage().data_ptr()
-                     for g in opt.param_groups for p in g["params"] if p.grad is not None}
+        params = [p for g in opt.param_groups for p in g["params"]]
+        grad_ptrs = {p.grad.untyped_storage().data_ptr() for p in params
+                     if p.grad is not None}
         for st, (winfo, _) in list(self._tracker._WINFO.items()):
             if winfo in survivors and st.data_ptr() in grad_ptrs:
                 self._tracker.retag(winfo, "Gradient")

@@ -234,8 +234,8 @@ class TrafficLedger(TorchDispatchMode):
         global _ACTIVE
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
-                "labkit.ledger.traffic() needs a torch.distributed process group: use it "
-                "inside a function you run on the ranks (cluster.run(fn))."
+                "labkit.ledger.traffic() needs a torch.distributed process group: "
+                "use it inside a function you run on the ranks (cluster.run(fn))."
             )
         if _ACTIVE is not None:
             raise RuntimeError("a traffic ledger is already recording on this rank; "
@@ -290,7 +290,8 @@ class TrafficLedger(TorchDispatchMode):
         w1 = _wchar() if wire else 0
         self.records.append(Record(
             op=op, group_size=n, dtype=dtype, elements=elements, payload_bytes=nbytes,
-            bus_bytes=nbytes * BUS_FACTOR[op](n), wire_bytes=(w1 - w0) if wire else None,
+            bus_bytes=nbytes * BUS_FACTOR[op](n),
+            wire_bytes=(w1 - w0) if wire else None,
             seconds=t1 - t0, start=t0, complete=not p2p, phase=self._current_phase(),
             module=self._module_stack[-1] if self._module_stack else None,
             rank=self.rank,

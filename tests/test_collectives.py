@@ -1,0 +1,98 @@
+"""labkit.collectives: the definitions, the ring simulation, and the real ring."""
+
+import pytest
+import torch
+
+from labkit.collectives import (OPS, course_example, ring_all_reduce, ring_steps,
+                                simulate)
+
+
+def test_course_example_numbers():
+    ex = course_example(4)
+    assert ex[2] == [2, 3, 4, 5]
+    assert simulate("all_reduce", ex) == [[6, 10, 14, 18]] * 4
+    rs = simulate("reduce_scatter", ex)
+    assert rs == [[6.0], [10.0], [14.0], [18.0]]  # rank r: 6 + 4r
+    assert simulate("all_gather", rs) == [[6, 10, 14, 18]] * 4
+
+
+def test_every_definition_on_a_small_case():
+    ex = course_example(2)  # [[0, 1], [1, 2]]
+    assert simulate("broadcast", ex, root=1) == [[1, 2], [1, 2]]
+    assert simulate("reduce", ex, root=1) == [None, [1, 3]]
+    assert simulate("scatter", ex) == [[0], [1]]
+    assert simulate("gather", ex) == [[0, 1, 1, 2], None]
+    assert simulate("all_to_all", ex) == [[0, 1], [1, 2]]
+    assert simulate("all_to_all", [[1, 2, 3, 4], [5, 6, 7, 8]]) == [[1, 2, 5, 6],
+                                                                     [3, 4, 7, 8]]
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="unknown collective"):
+        simulate("allreduce", course_example(2))
+    with pytest.raises(ValueError, match="divisible"):
+        simulate("reduce_scatter", [[1, 2, 3], [1, 2, 3]])
+    with pytest.raises(ValueError, match="root"):
+        simulate("broadcast", course_example(2), root=5)
+    with pytest.raises(ValueError, match="same number"):
+        simulate("all_reduce", [[1], [1, 2]])
+    with pytest.raises(ValueError):
+        ring_steps(0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 16])
+def test_ring_steps_end_with_every_sum_everywhere(n):
+    steps = ring_steps(n)
+    assert len(steps) == 1 + 2 * (n - 1)
+    everyone = frozenset(range(n))
+    assert all(c == everyone for row in steps[-1].holds for c in row)
+    if n > 1:
+        # after the reduce-scatter phase rank r holds the full chunk (r + 1) % n
+        rs_end = steps[n - 1]
+        assert all(rs_end.holds[r][(r + 1) % n] == everyone for r in range(n))
+        # every step every rank sends exactly one chunk to its right neighbour
+        for st in steps[1:]:
+            assert sorted((s, d) for s, d, _ in st.sends) == [(r, (r + 1) % n)
+                                                             for r in range(n)]
+
+
+def _ring_vs_builtin(rank, world_size, numel):
+    import torch.distributed as dist
+
+    torch.manual_seed(rank)
+    x = torch.randn(numel)
+    y = x.clone()
+    ring_all_reduce(x)
+    dist.all_reduce(y)
+    return torch.allclose(x, y, atol=1e-5), x.sum().item()
+
+
+@pytest.mark.parametrize("numel", [4, 10, 1 << 16])  # divisible or not by 4
+def test_ring_all_reduce_matches_the_single_process_sum(cluster, numel):
+    res = cluster.run(_ring_vs_builtin, numel)
+    # the oracle: one process summing every rank's tensor
+    total = sum(torch.randn(numel, generator=torch.Generator().manual_seed(r))
+                for r in range(4))
+    for ok, s in res:
+        assert ok
+        assert s == pytest.approx(total.sum().item(), abs=1e-3)
+
+
+def test_ring_all_reduce_on_a_subgroup(cluster):
+    def sub(rank, world_size):
+        import torch.distributed as dist
+
+        group = dist.new_group([1, 3])
+        if rank in (1, 3):
+            x = torch.full((6,), float(rank))
+            ring_all_reduce(x, group=group)
+            return x.tolist()
+
+    res = cluster.run(sub)
+    assert res[1] == res[3] == [4.0] * 6
+    assert res[0] is None
+
+
+def test_ops_list_is_complete():
+    assert set(OPS) == {"broadcast", "reduce", "all_reduce", "all_gather",
+                        "reduce_scatter", "scatter", "gather", "all_to_all"}
