@@ -52,3 +52,151 @@ class RingStepper(W.VBox):
 def ring_stepper(n: int = 4) -> RingStepper:
     """A widget stepping through the N x N chunk grid of ring all-reduce."""
     return RingStepper(n)
+
+
+# ------------------------------------------------------------------ ZeRO explorer
+
+from labkit import theory  # noqa: E402
+from labkit.units import GB  # noqa: E402
+
+_POWERS_OF_TWO = [2**i for i in range(0, 11)]
+
+
+class ZeroExplorer(W.VBox):
+    """Per-device model states for DP and ZeRO-1/2/3 side by side."""
+
+    def __init__(self, model: str = "custom", params: float = 7.5e9, n: int = 64,
+                 k: int = 12, stage: int = 3, precision: str = "mixed"):
+        self.model = W.Dropdown(options=["custom", *theory.MODELS], value=model,
+                                description="model")
+        self.params = W.FloatLogSlider(value=params, base=10, min=8, max=12,
+                                       step=0.05, description="Ψ (params)",
+                                       continuous_update=False, readout_format=".3g")
+        self.n = W.SelectionSlider(options=_POWERS_OF_TWO, value=n,
+                                   description="devices N", continuous_update=False)
+        self.k = W.IntSlider(value=k, min=0, max=20, description="K (bytes)",
+                             continuous_update=False)
+        self.stage = W.IntSlider(value=stage, min=0, max=3, description="stage",
+                                 continuous_update=False)
+        self.precision = W.Dropdown(options=[("bf16 + fp32 master", "mixed"),
+                                             ("fp32", "fp32")], value=precision,
+                                    description="precision")
+        self.info = W.HTML()
+        self.out = W.Output()
+        self.last: dict[str, theory.ZeroMemory] = {}
+        for w in (self.model, self.params, self.n, self.k, self.stage,
+                  self.precision):
+            w.observe(self._draw, names="value")
+        super().__init__([W.HBox([self.model, self.precision]),
+                          W.HBox([self.params, self.n]), W.HBox([self.k, self.stage]),
+                          self.info, self.out])
+        self._draw()
+
+    def psi(self) -> float:
+        if self.model.value == "custom":
+            return self.params.value
+        return float(theory.param_count(self.model.value))
+
+    def _draw(self, change=None) -> None:
+        psi, n, k = self.psi(), self.n.value, self.k.value
+        b = 2 if self.precision.value == "mixed" else 4
+        labels = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+        self.last = {lab: theory.zero_breakdown(psi, n, s, k, param_bytes=b,
+                                                grad_bytes=b)
+                     for s, lab in enumerate(labels)}
+        chosen = labels[self.stage.value]
+        traffic = sum(theory.zero_traffic(psi, n, self.stage.value, b).values())
+        self.info.value = (
+            f"Ψ = {psi:,.3g} parameters on N = {n}: {chosen} keeps "
+            f"<b>{self.last[chosen].total / GB:,.2f} GB</b> of model state per device "
+            f"(DP: {self.last['DP'].total / GB:,.1f} GB) and sends "
+            f"{traffic / GB:,.2f} GB per step.")
+        self.out.clear_output(wait=True)
+        with self.out:
+            display(plots.zero_bars(self.last, highlight=chosen, capacity=80 * GB))
+
+
+def zero_explorer(**kw) -> ZeroExplorer:
+    """Sliders for Ψ (or a model), N, K, stage and precision -> ZeRO's bars."""
+    return ZeroExplorer(**kw)
+
+
+# ------------------------------------------------------------- placement explorer
+
+
+class PlacementExplorer(W.VBox):
+    """Pick a mode for each of P, O, G, A: memory, traffic, and the verdict."""
+
+    def __init__(self, preset: str = "ZeRO-3", params: float = 7.5e9, n: int = 64,
+                 activations: float = 8e9):
+        self.preset = W.Dropdown(options=["custom", *theory.PLACEMENTS], value=preset,
+                                 description="preset")
+        self.modes = {s: W.Dropdown(options=theory.MODES, description=s,
+                                    layout=W.Layout(width="260px")) for s in "POGA"}
+        self.params = W.FloatLogSlider(value=params, base=10, min=8, max=12,
+                                       step=0.05, description="Ψ (params)",
+                                       continuous_update=False, readout_format=".3g")
+        self.n = W.SelectionSlider(options=_POWERS_OF_TWO, value=n,
+                                   description="devices N", continuous_update=False)
+        self.activations = activations
+        self.verdict = W.HTML()
+        self.out = W.Output()
+        self.last = None  # (Placement, PlacementCost, Verdict)
+        self._applying = False
+        self._apply_preset()
+        self.preset.observe(self._on_preset, names="value")
+        for w in (*self.modes.values(), self.params, self.n):
+            w.observe(self._draw, names="value")
+        super().__init__([W.HBox([self.preset, self.params, self.n]),
+                          W.HBox(list(self.modes.values())[:2]),
+                          W.HBox(list(self.modes.values())[2:]), self.verdict,
+                          self.out])
+        self._draw()
+
+    def _apply_preset(self) -> None:
+        if self.preset.value == "custom":
+            return
+        p = theory.PLACEMENTS[self.preset.value]
+        self._applying = True
+        for s in "POGA":
+            self.modes[s].value = getattr(p, s)
+        self._applying = False
+
+    def _on_preset(self, change=None) -> None:
+        self._apply_preset()
+        self._draw()
+
+    def placement(self) -> theory.Placement:
+        return theory.Placement(*(self.modes[s].value for s in "POGA"))
+
+    def _draw(self, change=None) -> None:
+        if self._applying:
+            return
+        if change is not None and change["owner"] in self.modes.values():
+            match = [k for k, p in theory.PLACEMENTS.items()
+                     if all(getattr(p, s) == self.modes[s].value for s in "POGA")]
+            self.preset.unobserve(self._on_preset, names="value")
+            self.preset.value = match[0] if match else "custom"
+            self.preset.observe(self._on_preset, names="value")
+        p = self.placement()
+        cost = p.cost(self.params.value, self.n.value, activations=self.activations,
+                      gather_fraction=1 / 32)
+        verdict = p.check()
+        self.last = (p, cost, verdict)
+        rows = "".join(f"<li>{k}: {v / GB:,.2f} GB</li>" for k, v in
+                       cost.traffic.items()) or "<li>none</li>"
+        color = "green" if verdict.ok else "crimson"
+        problems = "".join(f"<li>{x}</li>" for x in verdict.problems)
+        self.verdict.value = (
+            f"<b style='color:{color}'>{'correct' if verdict.ok else 'incorrect'}"
+            f"</b><ul>{problems}</ul>traffic per device per step "
+            f"({cost.traffic_total / GB:,.2f} GB):<ul>{rows}</ul>"
+            + (f"PCIe to host: {cost.pcie / GB:,.2f} GB per step" if cost.pcie else ""))
+        self.out.clear_output(wait=True)
+        with self.out:
+            display(plots.placement_bars(cost))
+
+
+def placement_explorer(**kw) -> PlacementExplorer:
+    """Dropdowns for the modes of P, O, G, A -> memory, traffic and the verdict."""
+    return PlacementExplorer(**kw)

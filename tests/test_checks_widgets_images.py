@@ -73,3 +73,32 @@ def test_ring_stepper_headless():
 def test_images_are_up_to_date():
     assert stale() == [], "run `make images` and commit images/"
     assert (IMAGES / "ring_allreduce_4.svg").exists()
+
+
+def test_zero_explorer_headless():
+    w = widgets.zero_explorer()
+    assert [round(v.total / 1e9, 1) for v in w.last.values()] == [120.0, 31.4, 16.6,
+                                                                   1.9]
+    w.n.value = 8
+    assert w.last["ZeRO-3"].total == pytest.approx(16 * 7.5e9 / 8)
+    w.model.value = "llama3-8b"
+    assert w.psi() == 8_030_261_248
+    assert w.last["DP"].total == pytest.approx(16 * 8_030_261_248)
+    w.precision.value, w.k.value = "fp32", 8  # fp32 Adam: 4 + 4 + 8
+    assert w.last["DP"].total == pytest.approx(16 * 8_030_261_248)
+    w.stage.value = 1
+    assert "ZeRO-1 keeps" in w.info.value
+
+
+def test_placement_explorer_headless():
+    w = widgets.placement_explorer(preset="ZeRO-3")
+    p, cost, verdict = w.last
+    assert verdict.ok and p.P == "ShardedWithGather"
+    w.modes["P"].value = "Replicated"  # now it is ZeRO-2, and says so
+    assert w.preset.value == "ZeRO-2" and w.last[2].ok
+    w.modes["O"].value = "Replicated"  # replicated optimizer, sharded gradients
+    assert w.preset.value == "custom" and not w.last[2].ok
+    assert "incorrect" in w.verdict.value
+    w.preset.value = "DP"
+    assert w.last[0].O == "Replicated" and w.last[2].ok
+    assert w.last[1].traffic_total == pytest.approx(2 * 63 / 64 * 7.5e9 * 2)

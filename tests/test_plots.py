@@ -84,3 +84,19 @@ def test_plots_draw_on_a_given_ax_and_leave_global_state_alone():
     assert out is fig and ax.containers
     assert dict(matplotlib.rcParams) == before
     assert plt.get_fignums() == []
+
+
+def test_zero_bars_and_placement_bars_draw_the_numbers():
+    from labkit import theory
+
+    bd = {f"stage {s}": theory.zero_breakdown(7.5e9, 64, s) for s in range(4)}
+    ax = plots.zero_bars(bd, highlight="stage 3", capacity=80e9).axes[0]
+    bars = _bars(ax)
+    assert bars["params"] == pytest.approx([15, 15, 15, 15 / 64])
+    assert bars["optimizer"][1] == pytest.approx(90 / 64)
+    assert [t.get_text() for t in ax.texts] == ["120.0", "31.4", "16.6", "1.9"]
+    cost = theory.PLACEMENTS["ZeRO-3"].cost(1e9, 8, activations=4e9)
+    ax = plots.placement_bars(cost).axes[0]
+    heights = [p.get_height() for c in ax.containers for p in c.patches]
+    assert sum(heights) == pytest.approx((cost.persistent_total + cost.peak_total)
+                                         / 1e9)
