@@ -10,7 +10,7 @@ TORCH  := torch==2.13.0
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 CELL_TIMEOUT ?= 120
 
-.PHONY: install lab test lint test-lib test-notebooks bench doctor images clean-notebooks clean
+.PHONY: install lab book test lint test-lib test-notebooks bench doctor images clean-notebooks clean
 
 install: $(STAMP)
 
@@ -22,7 +22,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lab: install
-	$(BIN)/jupyter lab $(ROOT_FLAG) notebooks/00_lab_tour.ipynb
+	$(BIN)/jupyter lab $(ROOT_FLAG) --ServerApp.root_dir="$(CURDIR)" \
+		--ServerApp.default_url=/lab/tree/notebooks/00_lab_tour.ipynb
+
+book: install
+	$(BIN)/jupyter nbconvert --to html --execute --output-dir _build/book \
+		--ExecutePreprocessor.timeout=600 notebooks/*.ipynb
 
 test: lint test-lib test-notebooks
 

@@ -87,3 +87,29 @@ def test_ranks_magic_on_a_named_cluster(shell, capsys):
         assert lines == [f"[rank {r}] 3" for r in range(3)]
     with pytest.raises(ValueError, match="no labkit.Cluster named 'nothing'"):
         shell.run_cell_magic("ranks", "-c nothing", "pass\n")
+
+
+def test_interrupting_the_kernel_stops_the_ranks_and_keeps_the_cluster():
+    import time
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        outputs = []
+        hook = lambda m: outputs.append(m["content"])  # noqa: E731
+        kc.execute_interactive(START, timeout=120, output_hook=hook)
+        pids = _pids_from(outputs)[:2]
+        msg_id = kc.execute("import time\nc.run(lambda r, w: time.sleep(60))")
+        time.sleep(1.5)  # the ranks are sleeping now
+        t0 = time.monotonic()
+        km.interrupt_kernel()  # what the notebook's stop button does
+        reply = kc.get_shell_msg(timeout=30)
+        assert reply["parent_header"]["msg_id"] == msg_id
+        assert reply["content"]["ename"] == "KeyboardInterrupt"
+        assert not wait_gone(pids, 2.0 - (time.monotonic() - t0) + 0.5)
+        again = kc.execute_interactive("print(c.run(lambda r, w: r).values)",
+                                       timeout=60, output_hook=hook)
+        assert again["content"]["status"] == "ok"
+        assert any("[0, 1]" in o.get("text", "") for o in outputs)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
