@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from labkit.ledger.traffic import BUS_FACTOR
+from labkit.conventions import BUS_FACTOR
 
 SWEEP_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
              "ring_all_reduce")

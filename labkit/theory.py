@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.conventions import BUS_FACTOR
+
 # ----------------------------------------------------------------- collectives
 #
 # Bus factors: nccl-tests, doc/PERFORMANCE.md ("busBw = algBw * factor"):
@@ -17,18 +19,11 @@ from dataclasses import dataclass
 #   broadcast, reduce 1. For the ring algorithms the factor times the array size S
 #   is also the number of bytes each rank sends (Patarasuk & Yuan 2009, "Bandwidth
 #   optimal all-reduce algorithms for clusters of workstations": 2(n-1)/n * S is
-#   the lower bound for all-reduce, reached by the ring).
+#   the lower bound for all-reduce, reached by the ring). The table lives in
+#   labkit.conventions, shared with the traffic ledger.
 
-_FACTORS = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "scatter": lambda n: (n - 1) / n,
-    "gather": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-}
+_FACTORS = {op: f for op, f in BUS_FACTOR.items()
+            if op not in ("send", "recv", "barrier")}
 
 # Steps (message latencies) of the ring algorithms (Thakur, Rabenseifner & Gropp
 # 2005, "Optimization of Collective Communication Operations in MPICH", sec. 4):

@@ -6,11 +6,11 @@ from labkit import checks, widgets
 from labkit.images import IMAGES, stale
 
 
-def _good(rank, world_size, chunks):
+def _ring_steps(rank, world_size, chunks, steps):
     import torch.distributed as dist
 
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    for s in range(1, world_size):
+    for s in range(1, steps + 1):
         into = chunks[(rank - s) % world_size]
         buf = into.clone()
         reqs = [dist.isend(chunks[(rank - s + 1) % world_size], right),
@@ -18,20 +18,14 @@ def _good(rank, world_size, chunks):
         for q in reqs:
             q.wait()
         into += buf
+
+
+def _good(rank, world_size, chunks):
+    _ring_steps(rank, world_size, chunks, world_size - 1)
 
 
 def _one_step_short(rank, world_size, chunks):
-    import torch.distributed as dist
-
-    right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    for s in range(1, world_size - 1):  # a step too few
-        into = chunks[(rank - s) % world_size]
-        buf = into.clone()
-        reqs = [dist.isend(chunks[(rank - s + 1) % world_size], right),
-                dist.irecv(buf, left)]
-        for q in reqs:
-            q.wait()
-        into += buf
+    _ring_steps(rank, world_size, chunks, world_size - 2)
 
 
 def _todo(rank, world_size, chunks):

@@ -27,22 +27,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit import worker
+from labkit.conventions import BUS_FACTOR
 from labkit.units import human_bytes as human
-
-# nccl-tests bus-bandwidth factors: busbw = algbw * factor(n)
-BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "scatter": lambda n: (n - 1) / n,
-    "gather": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-    "send": lambda n: 1.0,
-    "recv": lambda n: 1.0,
-    "barrier": lambda n: 0.0,
-}
 
 FIELDS = ("payload_bytes", "bus_bytes", "wire_bytes", "seconds", "elements")
 
