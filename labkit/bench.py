@@ -135,7 +135,7 @@ def bench_cluster(world_size: int = 4, calls: int = 2000) -> int:
     spawn_s = statistics.median(spawn)
 
     rows = [
-        ("first start: Cluster() after `import labkit, torch`", warm[0],
+        ("first start: Cluster() after `import labkit, torch` (notebook)", warm[0],
          TARGETS["first start"]),
         ("  same, interpreter start to ranks ready", warm[1], None),
         ("first start, forkserver not prewarmed (its torch import)", cold[0], None),

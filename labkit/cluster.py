@@ -194,10 +194,21 @@ def _zygote() -> _Zygote:
 
 
 def prewarm() -> None:
-    """Start the rank forkserver now, so its torch import overlaps the kernel's."""
-    if os.environ.get(ROLE_ENV) or os.environ.get("LABKIT_PREWARM", "1") == "0":
+    """Start the rank forkserver now, so its torch import overlaps the kernel's.
+
+    LABKIT_PREWARM=1 always does, =0 never; unset, only inside IPython/Jupyter,
+    where `import labkit` is a sign that ranks will follow."""
+    if os.environ.get(ROLE_ENV):
+        return
+    choice = os.environ.get("LABKIT_PREWARM", "auto")
+    if choice == "0" or (choice == "auto" and not _in_ipython()):
         return
     _zygote()
+
+
+def _in_ipython() -> bool:
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and ipython.get_ipython() is not None
 
 
 # ------------------------------------------------------------------ backend

@@ -342,3 +342,18 @@ def test_many_runs_leak_no_processes_threads_or_files():
             c.run(_rank_and_size)
         assert counts() == before
         assert before[0] >= 4  # the ranks are counted
+
+
+def test_import_starts_the_forkserver_only_where_ranks_will_follow():
+    import subprocess
+    import sys
+
+    code = "import labkit.cluster as c; print(c._ZYGOTE is not None)"
+    env = {k: v for k, v in os.environ.items() if k != "LABKIT_PREWARM"}
+    plain = subprocess.run([sys.executable, "-c", "import labkit; " + code],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert plain.stdout.strip() == "False"  # a script or CLI: nothing started
+    forced = subprocess.run([sys.executable, "-c", "import labkit; " + code],
+                            capture_output=True, text=True, timeout=120,
+                            env=env | {"LABKIT_PREWARM": "1"})
+    assert forced.stdout.strip() == "True"
