@@ -245,3 +245,35 @@ def test_timeout_names_the_collective_even_without_a_ledger():
         with pytest.raises(labkit.CollectiveTimeout) as ei:
             c.run(lonely)
         assert "broadcast of 256.0 KiB" in ei.value.busy[1]
+
+
+def _fsdp2_step(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    from labkit.ledger import traffic
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 8))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    with traffic(model) as t:
+        model(torch.randn(4, 64)).sum().backward()
+    return t
+
+
+def test_fsdp2_all_gathers_and_reduce_scatters_are_recorded():
+    with labkit.Cluster(2) as c:
+        for t in c.run(_fsdp2_step):
+            got = [(r.op, r.payload_bytes, r.phase) for r in t.records]
+            first, last = (64 * 64 + 64) * 4, (64 * 8 + 8) * 4  # each layer's params
+            # forward gathers each layer; backward gathers again (resharded after
+            # forward) and reduce-scatters each layer's gradients
+            assert got[:2] == [("all_gather", first, "forward"),
+                               ("all_gather", last, "forward")]
+            assert sorted(got[2:]) == sorted([
+                ("all_gather", last, "backward"), ("all_gather", first, "backward"),
+                ("reduce_scatter", last, "backward"),
+                ("reduce_scatter", first, "backward")])
+            assert t.records[0].module == "0" and t.records[1].module == "2"
