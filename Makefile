@@ -28,6 +28,7 @@ lab: install
 book: install
 	$(BIN)/jupyter nbconvert --to html --execute --output-dir _build/book \
 		--ExecutePreprocessor.timeout=600 notebooks/*.ipynb
+	mkdir -p _build/images && cp images/*.svg _build/images/  # chapters link ../images
 
 test: lint test-lib test-notebooks
 
