@@ -4,9 +4,9 @@ Real torch.distributed ranks driven from a notebook cell (`Cluster`, `run`,
 `%%ranks`), and, in later layers, what they hold and send, measured.
 """
 
-from labkit import cluster as _cluster
+from labkit import forkserver as _forkserver
 
-_cluster.prewarm()  # the rank forkserver imports torch while this process does too
+_forkserver.prewarm()  # the rank forkserver imports torch while this process does too
 
 from labkit.cluster import (  # noqa: E402
     Cluster,

@@ -92,9 +92,10 @@ def bench_cluster(world_size: int = 4, calls: int = 2000) -> int:
     cold = _first_start(n, prewarm=False)
 
     with labkit.Cluster(n) as c:
-        from labkit.cluster import _zygote
+        from labkit import forkserver
 
-        _zygote().wait_preloaded()  # measure the steady state, not its idle imports
+        # measure the steady state, not the forkserver's imports when idle
+        forkserver.shared().wait_preloaded()
         _progress(f"{calls} warm no-op calls")
         for _ in range(50):
             c.run(_noop)
@@ -169,7 +170,7 @@ def bench_ring(world_size: int = 4, size: int = 16 << 20, rounds: int = 5) -> in
     alternating the two so that machine noise hits both alike."""
     import labkit
     from labkit.bandwidth import time_collective
-    from labkit.cluster import _zygote
+    from labkit import forkserver
     from labkit.theory import bus_factor
 
     n = world_size
@@ -178,7 +179,7 @@ def bench_ring(world_size: int = 4, size: int = 16 << 20, rounds: int = 5) -> in
           f"{rounds} rounds (all timings)")
     busbw: dict[str, list[float]] = {"all_reduce": [], "ring_all_reduce": []}
     with labkit.Cluster(n) as c:
-        _zygote().wait_preloaded()
+        forkserver.shared().wait_preloaded()
         for k in range(rounds):
             _progress(f"round {k + 1} of {rounds}")
             for op in busbw:

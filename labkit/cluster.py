@@ -4,20 +4,17 @@
     res = cluster.run(fn, x)          # fn(rank, world_size, x) on every rank
     res[2], res.values
 
-Ranks are forked from a per-kernel zygote that has torch imported (see worker.py),
-join a gloo (CPU) or NCCL (GPU) process group through a TCPStore this process hosts
-on 127.0.0.1, and wait for work. Any failure (an exception, a hang past `timeout`,
-a dead rank, an interrupt) stops every rank; the next `run` starts them again.
+Ranks are forked from a per-kernel forkserver that has torch imported
+(forkserver.py, worker.py), join a gloo (CPU) or NCCL (GPU) process group through a
+TCPStore this process hosts on 127.0.0.1, and wait for work. Any failure (an
+exception, a hang past `timeout`, a dead rank, an interrupt) stops every rank; the
+next `run` starts them again.
 """
 
 from __future__ import annotations
 
 import atexit
-import html
-import linecache
 import os
-import reprlib
-import select
 import selectors
 import shutil
 import signal
@@ -25,15 +22,23 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import weakref
 from datetime import timedelta
 
 import cloudpickle
 
-from labkit import _wire
-from labkit.worker import ROLE_ENV
+from labkit import _wire, forkserver
+from labkit.forkserver import select_one
+from labkit.results import (
+    CollectiveTimeout,
+    RankError,
+    RankResults,
+    describe_busy,
+    first_line,
+    format_remote,
+    loads_or_none,
+)
 
 MAX_WORLD_SIZE = 64
 START_TIMEOUT = 120.0  # first start waits for the zygote's torch import
@@ -41,174 +46,6 @@ GRACE = 0.5  # after one rank fails, how long the others get to finish
 STATUS_TIMEOUT = 1.0
 MAX_OUTPUT = 1 << 20  # bytes of one rank's output shown per call
 _DEFAULT = object()
-
-
-class RankError(RuntimeError):
-    """One or more ranks failed. The message has each failed rank's traceback.
-
-    ``failures`` maps rank -> formatted traceback, ``exceptions`` rank -> the
-    exception object (None if it could not travel), ``busy`` rank -> what a rank
-    still running was doing, ``finished`` the ranks that returned.
-    """
-
-    def __init__(self, message, *, failures=None, exceptions=None, busy=None,
-                 finished=()):
-        super().__init__(message)
-        self.failures = dict(failures or {})
-        self.exceptions = dict(exceptions or {})
-        self.busy = dict(busy or {})
-        self.finished = list(finished)
-
-    def _render_traceback_(self):  # IPython shows this instead of labkit's frames
-        return [f"{type(self).__name__}: {self}"]
-
-
-class CollectiveTimeout(RankError, TimeoutError):
-    """Some ranks were still busy after `timeout` seconds (usually a collective that
-    not every rank called). ``busy`` says where each was waiting."""
-
-
-# ------------------------------------------------------------------ the zygote
-
-
-class _Zygote:
-    """One forkserver per kernel process, with torch preloaded."""
-
-    def __init__(self):
-        lifeline_r, self._lifeline_w = os.pipe()
-        mine, theirs = socket.socketpair()
-        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ)
-        env[ROLE_ENV] = "zygote"
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (pkg_root, env.get("PYTHONPATH")) if p
-        )
-        self.log = tempfile.NamedTemporaryFile(prefix="labkit-zygote-", suffix=".log")
-        code = "import sys; from labkit.worker import zygote_main; " \
-               "zygote_main(*map(int, sys.argv[1:]))"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, str(theirs.fileno()), str(lifeline_r),
-             str(os.getpid())],
-            pass_fds=(theirs.fileno(), lifeline_r),
-            start_new_session=True,
-            stdin=subprocess.DEVNULL,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        os.close(lifeline_r)
-        theirs.close()
-        self.sock = mine
-        self.ready = False
-        self.exits: dict[int, str] = {}
-        self.preloaded: set[str] = set()
-        self.lock = threading.Lock()
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def _handle(self, msg) -> None:
-        if msg[0] == "exited":
-            self.exits[msg[1]] = msg[2]
-        elif msg[0] == "preloaded":
-            self.preloaded.add(msg[1])
-
-    def wait_preloaded(self, timeout: float = 30.0) -> bool:
-        """Wait until the zygote has imported what it imports when idle."""
-        from labkit.worker import PRELOAD_WHEN_IDLE
-
-        end = time.monotonic() + timeout
-        while len(self.preloaded) < len(PRELOAD_WHEN_IDLE):
-            if time.monotonic() > end:
-                return False
-            self.poll()
-            time.sleep(0.05)
-        return True
-
-    def _recv(self, deadline: float):
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("the rank forkserver did not answer in time")
-            if select_one(self.sock, min(left, 0.5))[0]:
-                msg = _wire.recv(self.sock)
-                if msg is not None:
-                    return msg
-                self.proc.wait(5)  # EOF: it is exiting
-            if not self.alive():
-                self.log.seek(0)
-                tail = self.log.read().decode(errors="replace")[-4000:]
-                raise RuntimeError(
-                    "labkit's rank forkserver exited "
-                    f"({self.proc.returncode}); its log:\n{tail}"
-                )
-
-    def spawn(self, specs: list[dict], deadline: float) -> list[int]:
-        with self.lock:
-            while not self.ready:
-                msg = self._recv(deadline)
-                self.ready = msg[0] == "ready"
-            _wire.send(self.sock, ("spawn", specs))
-            while True:
-                msg = self._recv(deadline)
-                if msg[0] == "spawned":
-                    return msg[1]
-                self._handle(msg)
-
-    def poll(self) -> None:
-        """Take in exit reports without blocking."""
-        if not self.lock.acquire(blocking=False):
-            return
-        try:
-            while select_one(self.sock, 0)[0]:
-                msg = _wire.recv(self.sock)
-                if msg is None:
-                    return
-                self._handle(msg)
-        finally:
-            self.lock.release()
-
-    def exit_status(self, pid: int, wait: float = 0.0) -> str | None:
-        end = time.monotonic() + wait
-        while True:
-            self.poll()
-            if pid in self.exits or time.monotonic() >= end:
-                return self.exits.pop(pid, None)
-            time.sleep(0.01)
-
-
-def select_one(sock, timeout):
-    return select.select([sock], [], [], timeout)
-
-
-_ZYGOTE: _Zygote | None = None
-_ZYGOTE_LOCK = threading.Lock()
-
-
-def _zygote() -> _Zygote:
-    global _ZYGOTE
-    with _ZYGOTE_LOCK:
-        if _ZYGOTE is None or not _ZYGOTE.alive():
-            _ZYGOTE = _Zygote()
-        return _ZYGOTE
-
-
-def prewarm() -> None:
-    """Start the rank forkserver now, so its torch import overlaps the kernel's.
-
-    LABKIT_PREWARM=1 always does, =0 never; unset, only inside IPython/Jupyter,
-    where `import labkit` is a sign that ranks will follow."""
-    if os.environ.get(ROLE_ENV):
-        return
-    choice = os.environ.get("LABKIT_PREWARM", "auto")
-    if choice == "0" or (choice == "auto" and not _in_ipython()):
-        return
-    _zygote()
-
-
-def _in_ipython() -> bool:
-    ipython = sys.modules.get("IPython")
-    return ipython is not None and ipython.get_ipython() is not None
 
 
 # ------------------------------------------------------------------ backend
@@ -254,61 +91,6 @@ def resolve_backend(backend: str, world_size: int) -> str:
 
 
 # ------------------------------------------------------------------ results
-
-
-class RankResults:
-    """What each rank returned, indexable by rank."""
-
-    def __init__(self, values: dict, outputs: dict, seconds: dict, world_size: int):
-        self._values = dict(sorted(values.items()))
-        self.outputs = dict(sorted(outputs.items()))  # rank -> what it printed
-        self.seconds = dict(sorted(seconds.items()))  # rank -> time in fn (a timing)
-        self.world_size = world_size
-
-    @property
-    def values(self) -> list:
-        return list(self._values.values())
-
-    @property
-    def ranks(self) -> list[int]:
-        return list(self._values)
-
-    def __getitem__(self, rank: int):
-        try:
-            return self._values[rank]
-        except (KeyError, TypeError):
-            raise IndexError(
-                f"no result for rank {rank!r}: this call ran on ranks {self.ranks}"
-            ) from None
-
-    def __iter__(self):
-        return iter(self.values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __repr__(self) -> str:
-        r = reprlib.Repr()
-        r.maxstring, r.maxother = 120, 120
-        rows = [f"  rank {k}: {r.repr(v)}" for k, v in self._values.items()]
-        return f"RankResults(world_size={self.world_size})\n" + "\n".join(rows)
-
-    def _repr_html_(self) -> str:
-        rows = "".join(
-            f"<tr><td>{k}</td><td style='text-align:left'><pre style='margin:0'>"
-            f"{html.escape(_short(v))}</pre></td></tr>"
-            for k, v in self._values.items()
-        )
-        return (
-            f"<table><caption>RankResults, world_size={self.world_size}</caption>"
-            "<tr><th>rank</th><th style='text-align:left'>value</th></tr>"
-            f"{rows}</table>"
-        )
-
-
-def _short(v, limit: int = 2000) -> str:
-    s = repr(v)
-    return s if len(s) <= limit else s[:limit] + " …"
 
 
 # ------------------------------------------------------------------ the cluster
@@ -429,12 +211,15 @@ class Cluster:
             self._stop_ranks()
         self._start()
 
+    def _how_ended(self, rank: int, wait: float = 0.5) -> str:
+        """'killed by SIGKILL', as the forkserver that reaped the rank saw it."""
+        return forkserver.shared().exit_status(self._pids[rank], wait=wait) or "exited"
+
     def _describe_deaths(self, events) -> str:
         parts = []
         for key, _ in events:
             rank = key.data
-            how = _zygote().exit_status(self._pids[rank], wait=0.5) or "exited"
-            parts.append(f"rank {rank} {how}")
+            parts.append(f"rank {rank} {self._how_ended(rank)}")
         return ", ".join(parts)
 
     def _start(self) -> None:
@@ -442,7 +227,7 @@ class Cluster:
         deadline = time.monotonic() + START_TIMEOUT
         specs = [self._spec(r) for r in range(self.world_size)]
         self._offsets = {}
-        pids = _zygote().spawn(specs, deadline)
+        pids = forkserver.shared().spawn(specs, deadline)
         self._pids = dict(enumerate(pids))
         for r, pid in self._pids.items():
             try:
@@ -539,7 +324,7 @@ class Cluster:
 
     def _check_start_deaths(self, wait: float = 0.0) -> None:
         for rank, pid in self._pids.items():
-            how = _zygote().exit_status(pid, wait=wait)
+            how = forkserver.shared().exit_status(pid, wait=wait)
             if how:
                 err = self._read_file(rank, "err", 4000)
                 raise RuntimeError(f"rank {rank} {how} while starting\n{err}".rstrip())
@@ -595,8 +380,7 @@ class Cluster:
                 data = _wire.recv_bytes(key.fileobj)
                 if data is None:
                     self._sel.unregister(key.fileobj)
-                    how = _zygote().exit_status(self._pids[r], wait=0.5) or "exited"
-                    failures[r] = {"died": how}
+                    failures[r] = {"died": self._how_ended(r)}
                 else:
                     msg = cloudpickle.loads(data)
                     (replies if msg[0] == "ok" else failures)[r] = msg
@@ -628,7 +412,7 @@ class Cluster:
             if select_one(self._status[r], max(0.0, end - time.monotonic()))[0]:
                 st = _wire.recv(self._status[r])
                 if st is not None:
-                    out[r] = _describe_busy(st)
+                    out[r] = describe_busy(st)
         return out
 
     def _read_file(self, rank: int, stream: str, limit: int = MAX_OUTPUT) -> str:
@@ -671,14 +455,14 @@ class Cluster:
                 excs[r] = None
                 continue
             info = f[2]
-            texts[r] = _format_remote(info)
-            excs[r] = _loads_or_none(info["exc"])
+            texts[r] = format_remote(info)
+            excs[r] = loads_or_none(info["exc"])
         lines = []
         if failures:
             heads = []
             for r, f in sorted(failures.items()):
                 heads.append(f"rank {r} " + (f["died"] if "died" in f else
-                                             _first_line(f[2])))
+                                             first_line(f[2])))
             lines.append("; ".join(heads))
             for r, t in texts.items():
                 lines += ["", f"--- rank {r} ---", t.rstrip()]
@@ -770,56 +554,6 @@ def _pack_call(fn, args, kwargs) -> bytes:
             ) from e
     raise TypeError(f"the call cannot be sent to the ranks: {err}") from err
 
-
-def _first_line(info: dict) -> str:
-    msg = info["message"].strip().split("\n")[0]
-    msg = msg if len(msg) <= 100 else msg[:100] + "…"
-    return f"raised {info['type']}" + (f": {msg}" if msg else "")
-
-
-def _loads_or_none(data):
-    if data is None:
-        return None
-    try:
-        return cloudpickle.loads(data)
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _format_remote(info: dict) -> str:
-    """Format a rank's traceback here, where the notebook's cell sources are."""
-    te = _loads_or_none(info["te"])
-    if te is None:
-        return info["text"]
-    try:
-        return "".join(te.format())
-    except Exception:  # noqa: BLE001
-        return info["text"]
-
-
-_TORCH_DIR = os.sep + "torch" + os.sep
-
-
-def _describe_busy(status: dict) -> str:
-    """'in all_reduce (torch.distributed), called at File ..., line 4: x = ...'"""
-    stack = status.get("stack") or []
-    if status.get("call") is None and not stack:
-        return "idle"
-    parts = []
-    if status.get("activity"):
-        parts.append(f"in {status['activity']} (torch.distributed)")
-    # the innermost torch.distributed frame names the collective
-    dist_frames = [f for f in stack if _TORCH_DIR + "distributed" in f[0]]
-    if dist_frames and not status.get("activity"):
-        parts.append(f"in {dist_frames[-1][2]} (torch.distributed)")
-    user = [f for f in stack if _TORCH_DIR not in f[0]]
-    if user:
-        filename, lineno, name = user[-1]
-        src = linecache.getline(filename, lineno).strip()
-        where = f'File "{filename}", line {lineno}, in {name}'
-        parts.append(("called at " if parts else "at ") + where + (f": {src}" if src
-                                                                    else ""))
-    return ", ".join(parts) or "busy"
 
 
 # ------------------------------------------------------------------ defaults

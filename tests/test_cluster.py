@@ -11,7 +11,8 @@ import torch
 
 import labkit
 from labkit import CollectiveTimeout, RankError
-from labkit.cluster import _zygote, gpu_count
+from labkit.cluster import gpu_count
+from labkit.forkserver import shared as forkserver
 from tests.conftest import alive, children_of, wait_gone
 
 
@@ -204,7 +205,7 @@ def test_interrupt_stops_ranks_quickly_and_cluster_recovers():
 
 def test_ranks_live_in_their_own_session():
     with labkit.Cluster(2) as c:
-        for pid in [*c.pids.values(), _zygote().proc.pid]:
+        for pid in [*c.pids.values(), forkserver().proc.pid]:
             assert os.getsid(pid) != os.getsid(0)
             assert os.getpgid(pid) != os.getpgid(0)
 
@@ -327,7 +328,7 @@ def test_many_runs_leak_no_processes_threads_or_files():
     with labkit.Cluster(4) as c:
         for _ in range(10):
             c.run(_rank_and_size)
-        zygote = _zygote().proc.pid
+        zygote = forkserver().proc.pid
 
         def counts():
             return (
@@ -348,7 +349,7 @@ def test_import_starts_the_forkserver_only_where_ranks_will_follow():
     import subprocess
     import sys
 
-    code = "import labkit.cluster as c; print(c._ZYGOTE is not None)"
+    code = "import labkit.forkserver as f; print(f._SHARED is not None)"
     env = {k: v for k, v in os.environ.items() if k != "LABKIT_PREWARM"}
     plain = subprocess.run([sys.executable, "-c", "import labkit; " + code],
                            capture_output=True, text=True, env=env, timeout=120)

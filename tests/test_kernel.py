@@ -12,9 +12,9 @@ from tests.conftest import wait_gone
 
 START = """
 import json, labkit
-from labkit.cluster import _zygote
+from labkit.forkserver import shared
 c = labkit.Cluster(2)
-print(json.dumps(list(c.pids.values()) + [_zygote().proc.pid]))
+print(json.dumps(list(c.pids.values()) + [shared().proc.pid]))
 """
 
 
