@@ -124,11 +124,16 @@ def traffic_by_rank(ledgers, *, ax=None, unit: float = MiB, unit_name: str = "Mi
         wire, model = [], []
         for recs in ranks.values():
             sel = [rec for rec in recs if rec.op == op]
-            wire.append(sum(rec.wire_bytes or 0 for rec in sel) / unit)
+            known = all(rec.wire_bytes is not None for rec in sel)
+            # unknown wire bytes (NCCL, point-to-point, no /proc) are not drawn as 0
+            wire.append(sum(rec.wire_bytes for rec in sel) / unit if known
+                        else float("nan"))
             model.append(sum(rec.bus_bytes for rec in sel) / unit)
         xs = [k - 0.4 + (2 * i + 0.5) * width for k in range(len(ranks))]
         color = OP_COLORS.get(op)
-        ax.bar(xs, wire, width, color=color, label=f"{op} (wire)")
+        unknown = any(w != w for w in wire)  # some rank could not measure it
+        ax.bar(xs, wire, width, color=color,
+               label=f"{op} (wire: not measured)" if unknown else f"{op} (wire)")
         ax.bar([x + width for x in xs], model, width, color=color, alpha=0.35,
                hatch="//", edgecolor=color, label=f"{op} (bus model)")
     ax.set_xticks(range(len(ranks)), [f"rank {r}" for r in ranks])

@@ -41,6 +41,16 @@ def test_traffic_by_rank_puts_wire_next_to_model():
                     "broadcast (wire)": [2, 0], "broadcast (bus model)": [1, 1]}
 
 
+def test_unknown_wire_bytes_are_not_drawn_as_zero():
+    ledgers = {0: [_rec("send", None, 2 * MiB, 0, 1)], 1: [_rec("recv", None, 2 * MiB,
+                                                             0, 1)]}
+    ax = plots.traffic_by_rank(ledgers).axes[0]
+    bars = _bars(ax)
+    wire = bars["send (wire: not measured)"]
+    assert wire[0] != wire[0] and wire[1] == 0  # NaN: nothing drawn; rank 1 sent none
+    assert bars["send (bus model)"] == [2, 0]
+
+
 def test_timeline_has_one_lane_per_rank_with_compute_between_collectives():
     class L:  # what a TrafficLedger carries back from a rank
         def __init__(self, start, stop, records):
