@@ -211,7 +211,7 @@ class Cluster:
             self._stop_ranks()
         self._start()
 
-    def _how_ended(self, rank: int, wait: float = 0.5) -> str:
+    def _how_ended(self, rank: int, wait: float = 2.0) -> str:
         """'killed by SIGKILL', as the forkserver that reaped the rank saw it."""
         return forkserver.shared().exit_status(self._pids[rank], wait=wait) or "exited"
 
