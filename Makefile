@@ -10,7 +10,7 @@ TORCH  := torch==2.13.0
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 CELL_TIMEOUT ?= 120
 
-.PHONY: install lab book test lint test-lib test-notebooks bench doctor images clean-notebooks clean
+.PHONY: install lab book slides test lint test-lib test-notebooks bench doctor images clean-notebooks clean
 
 install: $(STAMP)
 
@@ -29,6 +29,12 @@ book: install
 	$(BIN)/jupyter nbconvert --to html --execute --output-dir _build/book \
 		--ExecutePreprocessor.timeout=600 notebooks/*.ipynb
 	mkdir -p _build/images && cp images/*.svg _build/images/  # chapters link ../images
+
+slides: install
+	$(BIN)/jupyter nbconvert --to slides --execute --output-dir _build/slides \
+		--SlidesExporter.reveal_scroll=True --ExecutePreprocessor.timeout=600 \
+		notebooks/*.ipynb
+	mkdir -p _build/images && cp images/*.svg _build/images/
 
 test: lint test-lib test-notebooks
 

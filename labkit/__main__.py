@@ -14,7 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("what", choices=["cluster", "ring"])
     b.add_argument("--world-size", type=int, default=4)
     sub.add_parser("images", help="draw the course's diagrams into images/")
-    c = sub.add_parser("clean-notebooks", help="strip outputs and execution counts")
+    c = sub.add_parser("clean-notebooks",
+                       help="strip outputs and execution counts; mark slides")
     c.add_argument("paths", nargs="+")
     args = p.parse_args(argv)
 
@@ -35,10 +36,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path}")
         return 0
     if args.cmd == "clean-notebooks":
-        from labkit.nbclean import clean
+        from labkit.nbclean import clean, mark_slides
 
         for path in args.paths:
-            print(("cleaned   " if clean(path) else "clean     ") + path)
+            changed = clean(path) | mark_slides(path)
+            print(("cleaned   " if changed else "clean     ") + path)
         return 0
     return 2
 

@@ -32,3 +32,26 @@ def clean(path: str | Path) -> bool:
         path.write_text(new, encoding="utf-8")
         return True
     return False
+
+
+def slide_type(cell: dict) -> str:
+    """Reveal.js slides from a chapter: each heading starts a slide, each code cell
+    is a sub-slide below it (so long outputs get room), other text stays put."""
+    source = "".join(cell.get("source", ""))
+    if cell.get("cell_type") == "markdown" and source.lstrip().startswith("#"):
+        return "slide"
+    return "subslide" if cell.get("cell_type") == "code" else "-"
+
+
+def mark_slides(path: str | Path) -> bool:
+    """Set every cell's slideshow metadata in place; True if the file changed."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    nb = json.loads(text)
+    for c in nb.get("cells", []):
+        c.setdefault("metadata", {})["slideshow"] = {"slide_type": slide_type(c)}
+    new = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+        return True
+    return False

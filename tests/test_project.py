@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.nbclean import clean, dirty_cells
+from labkit.nbclean import clean, dirty_cells, slide_type
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -22,6 +22,15 @@ def test_there_are_chapters():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebooks_are_committed_clean(path):
     assert dirty_cells(path) == [], f"{path.name}: run `make clean-notebooks`"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_chapters_are_slides_too(path):
+    # `make slides`: every heading starts a slide (`make clean-notebooks` marks them)
+    cells = json.loads(path.read_text())["cells"]
+    marks = [c["metadata"].get("slideshow", {}).get("slide_type") for c in cells]
+    assert marks == [slide_type(c) for c in cells], "run `make clean-notebooks`"
+    assert marks[0] == "slide" and marks.count("slide") >= 4
 
 
 def test_clean_strips_outputs_and_counts(tmp_path):
