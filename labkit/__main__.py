@@ -1,4 +1,5 @@
-"""python -m labkit doctor | bench cluster|ring | images | clean-notebooks FILES..."""
+"""python -m labkit doctor | bench cluster|ring | launch FILE.py:FN | images |
+clean-notebooks FILES..."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("what", choices=["cluster", "ring"])
     b.add_argument("--world-size", type=int, default=4)
     sub.add_parser("images", help="draw the course's diagrams into images/")
+    la = sub.add_parser("launch", help="run FILE.py:FUNCTION under torchrun")
+    la.add_argument("target", help="FILE.py:FUNCTION or module:FUNCTION")
+    la.add_argument("--nproc", type=int, default=2, help="processes on this machine")
+    la.add_argument("--torchrun", nargs="...", default=[],
+                    help="everything after this goes to torchrun")
     c = sub.add_parser("clean-notebooks",
                        help="strip outputs and execution counts; mark slides")
     c.add_argument("paths", nargs="+")
@@ -29,6 +35,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "ring":
             return bench_ring(args.world_size)
         return bench_cluster(args.world_size)
+    if args.cmd == "launch":
+        from labkit.launch import launch
+
+        try:
+            return launch(args.target, args.nproc, args.torchrun)
+        except ValueError as e:
+            print(f"labkit launch: {e}", file=sys.stderr)
+            return 2
     if args.cmd == "images":
         from labkit.images import render
 

@@ -31,3 +31,19 @@ def test_clean_notebooks_command(tmp_path):
 def test_unknown_command_is_an_error():
     out = _labkit("frobnicate")
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def test_launch_runs_a_worker_function_under_torchrun(tmp_path):
+    work = tmp_path / "work.py"
+    work.write_text(
+        "import torch\nimport torch.distributed as dist\n\n\n"
+        "def work(rank, world_size):\n"
+        "    x = torch.arange(4.0) + rank\n"
+        "    dist.all_reduce(x)\n"
+        "    return x.tolist()\n")
+    out = _labkit("launch", f"{work}:work", "--nproc", "2", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("[rank")]
+    assert lines == ["[rank 0] [1.0, 3.0, 5.0, 7.0]", "[rank 1] [1.0, 3.0, 5.0, 7.0]"]
+    bad = _labkit("launch", f"{work}:nothing")
+    assert bad.returncode == 2 and "no function 'nothing'" in bad.stderr
