@@ -64,12 +64,16 @@ def test_current_bytes_after_a_step_are_exact(name, precision):
         m.current["Parameter"], m.current["Gradient"], m.current["Optstate"])
 
 
-def test_adam_mixed_precision_is_16_bytes_per_parameter():
+def _mixed_adam_step():
     model, opt, _ = _setup("adam", "bf16-master")
-    psi = sum(p.numel() for p in model.parameters())
     with L.memory(model, opt) as m:
         model(torch.randn(16, 64, dtype=torch.bfloat16)).float().sum().backward()
         opt.step()
+    return opt, m, sum(p.numel() for p in model.parameters())
+
+
+def test_adam_mixed_precision_is_16_bytes_per_parameter():
+    opt, m, psi = _mixed_adam_step()
     step_counters = _bytes(s["step"] for s in opt.state.values())
     assert m.current["Parameter"] == 2 * psi and m.current["Gradient"] == 2 * psi
     assert m.current["Optstate"] - step_counters == 12 * psi  # master + m + v
@@ -79,11 +83,7 @@ def test_adam_mixed_precision_is_16_bytes_per_parameter():
 
 
 def test_step_temporaries_are_temp_not_optimizer_state():
-    model, opt, _ = _setup("adam", "bf16-master")
-    psi = sum(p.numel() for p in model.parameters())
-    with L.memory(model, opt) as m:
-        model(torch.randn(16, 64, dtype=torch.bfloat16)).float().sum().backward()
-        opt.step()
+    _, m, psi = _mixed_adam_step()
     # the fp32 gradients live only inside step(): at least 4 bytes/param of Temp there
     assert m.phase_peaks["optimizer"]["Temp"] >= 4 * psi
     assert m.peak["Temp"] >= 4 * psi and m.current["Temp"] == 0

@@ -27,6 +27,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from labkit.ledger.phases import current_phase
+
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp",
               "Other")
 TESTED_TORCH = ("2.13",)
@@ -232,15 +234,9 @@ class MemoryLedger:
     # -- bookkeeping --------------------------------------------------------------
 
     def _phase(self) -> str:
-        if self._phases:
-            return self._phases[-1]
-        if self._step_depth:
-            return "optimizer"
-        if torch._C._current_graph_task_id() != -1:
-            return "backward"
-        if self._tracker is not None and len(self._tracker._mod_tracker.parents) > 1:
-            return "forward"
-        return "other"
+        in_forward = (self._tracker is not None
+                      and len(self._tracker._mod_tracker.parents) > 1)
+        return current_phase(self._phases, bool(self._step_depth), in_forward)
 
     def _change(self, winfo, deltas: dict, new: bool = False, gone: bool = False):
         deltas = {str(k.value if hasattr(k, "value") else k): v for k, v in

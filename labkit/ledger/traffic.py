@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit import worker
 from labkit.conventions import BUS_FACTOR
+from labkit.ledger.phases import current_phase
 from labkit.units import human_bytes as human
 
 FIELDS = ("payload_bytes", "bus_bytes", "wire_bytes", "seconds", "elements")
@@ -180,15 +181,8 @@ class TrafficLedger(TorchDispatchMode):
             self._phases.pop()
 
     def _current_phase(self) -> str:
-        if self._phases:
-            return self._phases[-1]
-        if self._in_optimizer:
-            return "optimizer"
-        if torch._C._current_graph_task_id() != -1:
-            return "backward"
-        if self._module_stack:
-            return "forward"
-        return "other"
+        return current_phase(self._phases, bool(self._in_optimizer),
+                             bool(self._module_stack))
 
     def _install_hooks(self) -> None:
         from torch.nn.modules import module as nn_module
