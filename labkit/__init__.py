@@ -4,11 +4,11 @@ Real torch.distributed ranks driven from a notebook cell (`Cluster`, `run`,
 `%%ranks`), and, in later layers, what they hold and send, measured.
 """
 
-from labkit import forkserver as _forkserver
+from labkit.runtime import forkserver as _forkserver
 
 _forkserver.prewarm()  # the rank forkserver imports torch while this process does too
 
-from labkit.cluster import (  # noqa: E402
+from labkit.runtime.cluster import (  # noqa: E402
     Cluster,
     CollectiveTimeout,
     RankError,
@@ -30,6 +30,6 @@ __all__ = [
 
 def load_ipython_extension(ipython):
     """`%load_ext labkit`: adds the %%ranks cell magic."""
-    from labkit.magics import register
+    from labkit.runtime.magics import register
 
     register(ipython)

@@ -1,63 +1,7 @@
-"""python -m labkit doctor | bench cluster|ring | launch FILE.py:FN | images |
-clean-notebooks FILES..."""
+"""`python -m labkit ...`: see labkit/cli/main.py."""
 
-from __future__ import annotations
-
-import argparse
 import sys
 
+from labkit.cli.main import main
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m labkit")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("doctor", help="versions, backend, and a 2-rank smoke test")
-    b = sub.add_parser("bench", help="benchmarks, printed as ratios to a reference")
-    b.add_argument("what", choices=["cluster", "ring"])
-    b.add_argument("--world-size", type=int, default=4)
-    sub.add_parser("images", help="draw the course's diagrams into images/")
-    la = sub.add_parser("launch", help="run FILE.py:FUNCTION under torchrun")
-    la.add_argument("target", help="FILE.py:FUNCTION or module:FUNCTION")
-    la.add_argument("--nproc", type=int, default=2, help="processes on this machine")
-    la.add_argument("--torchrun", nargs="...", default=[],
-                    help="everything after this goes to torchrun")
-    c = sub.add_parser("clean-notebooks",
-                       help="strip outputs and execution counts; mark slides")
-    c.add_argument("paths", nargs="+")
-    args = p.parse_args(argv)
-
-    if args.cmd == "doctor":
-        from labkit.doctor import doctor
-
-        return doctor()
-    if args.cmd == "bench":
-        from labkit.bench import bench_cluster, bench_ring
-
-        if args.what == "ring":
-            return bench_ring(args.world_size)
-        return bench_cluster(args.world_size)
-    if args.cmd == "launch":
-        from labkit.launch import launch
-
-        try:
-            return launch(args.target, args.nproc, args.torchrun)
-        except ValueError as e:
-            print(f"labkit launch: {e}", file=sys.stderr)
-            return 2
-    if args.cmd == "images":
-        from labkit.images import render
-
-        for path in render():
-            print(f"wrote {path}")
-        return 0
-    if args.cmd == "clean-notebooks":
-        from labkit.nbclean import clean, mark_slides
-
-        for path in args.paths:
-            changed = clean(path) | mark_slides(path)
-            print(("cleaned   " if changed else "clean     ") + path)
-        return 0
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+sys.exit(main())

@@ -9,7 +9,7 @@ returns False without failing the notebook.
 
 from __future__ import annotations
 
-from labkit.results import RankError
+from labkit.runtime.results import RankError
 
 
 class ExerciseError(AssertionError):

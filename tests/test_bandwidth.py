@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit.bandwidth import sweep
+from labkit.comm.bandwidth import sweep
 from labkit.theory import bus_factor
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from labkit import checks, widgets
-from labkit.images import IMAGES, stale
+from labkit import checks, viz
+from labkit.cli.images import IMAGES, stale
 
 
 def _ring_steps(rank, world_size, chunks, steps):
@@ -52,7 +52,7 @@ def test_check_answer(capsys):
 
 
 def test_ring_stepper_headless():
-    w = widgets.ring_stepper(4)
+    w = viz.ring_stepper(4)
     assert w.step.max == 6 and w.last.phase == "start"
     w.step.value = 3
     assert (w.last.phase, w.last.step) == ("reduce-scatter", 3)
@@ -70,7 +70,7 @@ def test_images_are_up_to_date():
 
 
 def test_zero_explorer_headless():
-    w = widgets.zero_explorer()
+    w = viz.zero_explorer()
     assert [round(v.total / 1e9, 1) for v in w.last.values()] == [120.0, 31.4, 16.6,
                                                                    1.9]
     w.n.value = 8
@@ -85,7 +85,7 @@ def test_zero_explorer_headless():
 
 
 def test_placement_explorer_headless():
-    w = widgets.placement_explorer(preset="ZeRO-3")
+    w = viz.placement_explorer(preset="ZeRO-3")
     p, cost, verdict = w.last
     assert verdict.ok and p.P == "ShardedWithGather"
     w.modes["P"].value = "Replicated"  # now it is ZeRO-2, and says so

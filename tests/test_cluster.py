@@ -11,8 +11,8 @@ import torch
 
 import labkit
 from labkit import CollectiveTimeout, RankError
-from labkit.cluster import gpu_count
-from labkit.forkserver import shared as forkserver
+from labkit.runtime.cluster import gpu_count
+from labkit.runtime.forkserver import shared as forkserver
 from tests.conftest import alive, children_of, wait_gone
 
 
@@ -349,7 +349,7 @@ def test_import_starts_the_forkserver_only_where_ranks_will_follow():
     import subprocess
     import sys
 
-    code = "import labkit.forkserver as f; print(f._SHARED is not None)"
+    code = "import labkit.runtime.forkserver as f; print(f._SHARED is not None)"
     env = {k: v for k, v in os.environ.items() if k != "LABKIT_PREWARM"}
     plain = subprocess.run([sys.executable, "-c", "import labkit; " + code],
                            capture_output=True, text=True, env=env, timeout=120)

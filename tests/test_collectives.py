@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from labkit.collectives import (OPS, course_example, ring_all_reduce, ring_steps,
+from labkit.comm.collectives import (OPS, course_example, ring_all_reduce, ring_steps,
                                 simulate)
 
 

@@ -12,7 +12,7 @@ from tests.conftest import wait_gone
 
 START = """
 import json, labkit
-from labkit.forkserver import shared
+from labkit.runtime.forkserver import shared
 c = labkit.Cluster(2)
 print(json.dumps(list(c.pids.values()) + [shared().proc.pid]))
 """

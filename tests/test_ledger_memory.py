@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import labkit.ledger as L
-from labkit.precision import MasterWeights
+from labkit.parallel.precision import MasterWeights
 
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),

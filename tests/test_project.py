@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.nbclean import clean, dirty_cells, slide_type
+from labkit.cli.nbclean import clean, dirty_cells, slide_type
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

@@ -23,8 +23,8 @@ def test_ring_all_reduce_bytes_patarasuk_yuan():
 
 def test_ring_steps_thakur_et_al():
     # Thakur, Rabenseifner & Gropp 2005: ring allgather takes p-1 steps
-    assert theory.ring_steps("all_gather", 16) == 15
-    assert theory.ring_steps("all_reduce", 16) == 30
+    assert theory.latency_steps("all_gather", 16) == 15
+    assert theory.latency_steps("all_reduce", 16) == 30
 
 
 def test_alpha_beta_model_and_fit_recovers_its_parameters():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from labkit.topology import (
+from labkit.comm.topology import (
     all_to_all_transfers,
     fat_tree,
     ring,

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from labkit import worker
+from labkit.runtime import rank as worker
 from labkit.conventions import BUS_FACTOR
 from labkit.ledger.phases import current_phase
 from labkit.units import human_bytes as human

@@ -11,10 +11,10 @@ import hashlib
 import json
 from pathlib import Path
 
-from labkit import plots
-from labkit.collectives import OPS, course_example, ring_steps, simulate
+from labkit import viz
+from labkit.comm.collectives import OPS, course_example, ring_steps, simulate
 
-IMAGES = Path(__file__).resolve().parent.parent / "images"
+IMAGES = Path(__file__).resolve().parents[2] / "images"
 MARK = "labkit-diagram-data:"
 
 
@@ -44,14 +44,14 @@ def digest(data) -> str:
 
 def _figure(name: str, data):
     if name.startswith("collective_"):
-        return plots.collective_diagram(data["op"], data["before"], data["after"])
+        return viz.collective_diagram(data["op"], data["before"], data["after"])
     from matplotlib.figure import Figure
 
     steps = ring_steps(4)
     fig = Figure(figsize=(3.2 * 4, 3.0 * 2), layout="constrained")
     axes = fig.subplots(2, 4)
     for ax, st in zip(axes.flat, steps):
-        plots.ring_grid(st, ax=ax)
+        viz.ring_grid(st, ax=ax)
     axes.flat[-1].axis("off")
     fig.suptitle("ring all-reduce on 4 ranks: reduce-scatter, then all-gather")
     return fig

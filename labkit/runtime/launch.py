@@ -46,7 +46,7 @@ def launch(target: str, nproc: int, torchrun_args: list[str]) -> int:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     load(target)  # fail here, once, rather than in every process
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           *torchrun_args, "-m", "labkit.launch", target]
+           *torchrun_args, "-m", "labkit.runtime.launch", target]
     if not any(a.startswith(("--rdzv", "--master", "--nnodes")) for a in torchrun_args):
         cmd[3:3] = ["--standalone"]  # one machine: a free local port, no setup
     return subprocess.call(cmd)

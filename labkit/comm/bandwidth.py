@@ -39,7 +39,7 @@ def time_collective(rank, world_size, op: str, size: int, *, min_seconds: float 
     import torch
     import torch.distributed as dist
 
-    from labkit.collectives import ring_all_reduce
+    from labkit.comm.collectives import ring_all_reduce
 
     numel = max(world_size, size // 4 // world_size * world_size)
     full = torch.ones(numel)

@@ -28,9 +28,9 @@ from datetime import timedelta
 
 import cloudpickle
 
-from labkit import _wire, forkserver
-from labkit.forkserver import select_one
-from labkit.results import (
+from labkit.runtime import forkserver, wire as _wire
+from labkit.runtime.forkserver import select_one
+from labkit.runtime.results import (
     CollectiveTimeout,
     RankError,
     RankResults,

@@ -9,8 +9,11 @@ from __future__ import annotations
 import ipywidgets as W
 from IPython.display import display
 
-from labkit import plots
-from labkit.collectives import ring_steps
+from labkit import theory
+from labkit.comm.collectives import ring_steps
+from labkit.units import GB
+from labkit.viz.diagrams import ring_grid
+from labkit.viz.theory_charts import placement_bars, zero_bars
 
 
 class RingStepper(W.VBox):
@@ -46,7 +49,7 @@ class RingStepper(W.VBox):
                            f"{2 * (n - 1) / n:.3g}·M)")
         self.out.clear_output(wait=True)
         with self.out:
-            display(plots.ring_grid(st))
+            display(ring_grid(st))
 
 
 def ring_stepper(n: int = 4) -> RingStepper:
@@ -56,8 +59,6 @@ def ring_stepper(n: int = 4) -> RingStepper:
 
 # ------------------------------------------------------------------ ZeRO explorer
 
-from labkit import theory  # noqa: E402
-from labkit.units import GB  # noqa: E402
 
 _POWERS_OF_TWO = [2**i for i in range(0, 11)]
 
@@ -113,7 +114,7 @@ class ZeroExplorer(W.VBox):
             f"{traffic / GB:,.2f} GB per step.")
         self.out.clear_output(wait=True)
         with self.out:
-            display(plots.zero_bars(self.last, highlight=chosen, capacity=80 * GB))
+            display(zero_bars(self.last, highlight=chosen, capacity=80 * GB))
 
 
 def zero_explorer(**kw) -> ZeroExplorer:
@@ -194,7 +195,7 @@ class PlacementExplorer(W.VBox):
             + (f"PCIe to host: {cost.pcie / GB:,.2f} GB per step" if cost.pcie else ""))
         self.out.clear_output(wait=True)
         with self.out:
-            display(plots.placement_bars(cost))
+            display(placement_bars(cost))
 
 
 def placement_explorer(**kw) -> PlacementExplorer:

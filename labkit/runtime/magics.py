@@ -20,7 +20,7 @@ import itertools
 import linecache
 import shlex
 
-from labkit.cluster import Cluster, default_cluster
+from labkit.runtime.cluster import Cluster, default_cluster
 
 _COUNTER = itertools.count(1)
 
@@ -36,7 +36,7 @@ class CellOnRanks:
         import torch
         import torch.distributed as dist
 
-        from labkit.worker import NAMESPACE
+        from labkit.runtime.rank import NAMESPACE
 
         NAMESPACE.setdefault("__name__", "__ranks__")
         NAMESPACE.update(rank=rank, world_size=world_size, torch=torch, dist=dist)

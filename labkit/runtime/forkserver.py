@@ -1,7 +1,7 @@
 """The rank forkserver ("zygote"), seen from the kernel: one per process.
 
 It is a fresh Python that imports torch once and then forks rank processes on
-request (the other half is labkit.worker.zygote_main). It runs in its own session
+request (the other half is labkit.runtime.rank.zygote_main). It runs in its own session
 and exits when this process does. Forked ranks are its children: it reaps them and
 reports how each ended.
 """
@@ -17,8 +17,8 @@ import tempfile
 import threading
 import time
 
-from labkit import _wire
-from labkit.worker import ROLE_ENV
+from labkit.runtime import wire as _wire
+from labkit.runtime.rank import ROLE_ENV
 
 
 class Forkserver:
@@ -27,14 +27,14 @@ class Forkserver:
     def __init__(self):
         lifeline_r, self._lifeline_w = os.pipe()
         mine, theirs = socket.socketpair()
-        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ)
         env[ROLE_ENV] = "zygote"
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (pkg_root, env.get("PYTHONPATH")) if p
         )
         self.log = tempfile.NamedTemporaryFile(prefix="labkit-zygote-", suffix=".log")
-        code = "import sys; from labkit.worker import zygote_main; " \
+        code = "import sys; from labkit.runtime.rank import zygote_main; " \
                "zygote_main(*map(int, sys.argv[1:]))"
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, str(theirs.fileno()), str(lifeline_r),
@@ -65,7 +65,7 @@ class Forkserver:
 
     def wait_preloaded(self, timeout: float = 30.0) -> bool:
         """Wait until the zygote has imported what it imports when idle."""
-        from labkit.worker import PRELOAD_WHEN_IDLE
+        from labkit.runtime.rank import PRELOAD_WHEN_IDLE
 
         end = time.monotonic() + timeout
         while len(self.preloaded) < len(PRELOAD_WHEN_IDLE):

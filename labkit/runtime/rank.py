@@ -25,7 +25,7 @@ import threading
 import time
 import traceback
 
-from labkit import _wire
+from labkit.runtime import wire as _wire
 from labkit.units import human_bytes
 
 ROLE_ENV = "LABKIT_ROLE"  # "zygote" or "rank": importing labkit there starts nothing

@@ -92,7 +92,7 @@ def bench_cluster(world_size: int = 4, calls: int = 2000) -> int:
     cold = _first_start(n, prewarm=False)
 
     with labkit.Cluster(n) as c:
-        from labkit import forkserver
+        from labkit.runtime import forkserver
 
         # measure the steady state, not the forkserver's imports when idle
         forkserver.shared().wait_preloaded()
@@ -169,8 +169,8 @@ def bench_ring(world_size: int = 4, size: int = 16 << 20, rounds: int = 5) -> in
     """The from-scratch ring all-reduce's busbw vs PyTorch's, same ranks, same run,
     alternating the two so that machine noise hits both alike."""
     import labkit
-    from labkit.bandwidth import time_collective
-    from labkit import forkserver
+    from labkit.comm.bandwidth import time_collective
+    from labkit.runtime import forkserver
     from labkit.theory import bus_factor
 
     n = world_size

@@ -1,0 +1,10 @@
+"""Layer 3, communication: the collectives by definition (plain Python), built from
+send/recv on real ranks and timed (algbw/busbw); the networks they run on
+(topology as graphs, published hardware figures).
+
+May import theory, ledger and runtime.
+"""
+
+from labkit.comm import bandwidth, collectives, hardware, topology
+
+__all__ = ["bandwidth", "collectives", "hardware", "topology"]

@@ -1,0 +1,15 @@
+"""Layer 1, the runtime: real torch.distributed ranks that a notebook cell drives.
+
+`Cluster` and `run` (cluster.py), the forkserver that forks ranks with torch
+already imported (forkserver.py) and the loop each rank runs (rank.py), the typed
+messages between kernel, forkserver and ranks (messages.py) over length-prefixed
+frames (wire.py), results and errors (results.py), `%%ranks` (magics.py), and
+`launch` under torchrun (launch.py). Imports only labkit.units and the standard
+library, torch and cloudpickle.
+"""
+
+from labkit.runtime.cluster import Cluster, default_cluster, run
+from labkit.runtime.results import CollectiveTimeout, RankError, RankResults
+
+__all__ = ["Cluster", "CollectiveTimeout", "RankError", "RankResults",
+           "default_cluster", "run"]

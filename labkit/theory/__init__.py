@@ -1,0 +1,44 @@
+"""Layer 2, closed forms only: what the course's numbers should be.
+
+No torch.distributed and no measurement here; imports only labkit.conventions and
+labkit.units. Sizes are bytes, times seconds, bandwidths bytes/second (labkit.units
+has GB = 1e9 and GiB = 2**30). Every formula names its source, and
+tests/test_theory_*.py hold each to a published number.
+"""
+
+from labkit.theory.activations import activation_memory
+from labkit.theory.collective_cost import (
+    COLLECTIVES,
+    AlphaBeta,
+    alpha_beta_time,
+    bus_factor,
+    fit_alpha_beta,
+    latency_steps,
+    ring_bytes_per_rank,
+)
+from labkit.theory.models import MODELS, PUBLISHED_PARAMS, ModelConfig, param_count
+from labkit.theory.pipeline import Bubble, activations_in_flight, pipeline_bubble
+from labkit.theory.placement import (
+    MODES,
+    PLACEMENTS,
+    Placement,
+    PlacementCost,
+    Verdict,
+)
+from labkit.theory.zero import (
+    BytesPerParam,
+    ZeroMemory,
+    bytes_per_param,
+    zero_breakdown,
+    zero_memory,
+    zero_traffic,
+)
+
+__all__ = [
+    "COLLECTIVES", "MODELS", "MODES", "PLACEMENTS", "PUBLISHED_PARAMS", "AlphaBeta",
+    "Bubble", "BytesPerParam", "ModelConfig", "Placement", "PlacementCost", "Verdict",
+    "ZeroMemory", "activation_memory", "activations_in_flight", "alpha_beta_time",
+    "bus_factor", "bytes_per_param", "fit_alpha_beta", "latency_steps",
+    "param_count", "pipeline_bubble", "ring_bytes_per_rank", "zero_breakdown",
+    "zero_memory", "zero_traffic",
+]

@@ -1,0 +1,199 @@
+"""Placement semantics: where parameters, optimizer state, gradients and activations
+live (four states x five modes), what that costs, and whether it trains correctly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from labkit.theory._validate import check_n, check_params
+
+#
+# Mehta 2026, "Placement Semantics for Distributed Deep Learning" (arXiv 2601.02311):
+# a strategy is where it places four training states - parameters P, optimizer
+# state O, gradients G, activations A - each in one of five modes; two conditions,
+# gradient integrity and state consistency, are necessary and sufficient for the
+# result to match single-device training. We could read only the paper's abstract;
+# the byte and traffic accounting below is the ZeRO paper's (sec. 5 and 7), written
+# per mode, and reproduces the abstract's figures (ZeRO-3: 8x less memory than DP
+# at 1.5x the communication, N = 8) and the 1120 GB of model state of a 70B model.
+
+MODES = ("Replicated", "Sharded", "ShardedWithGather", "Materialized", "Offloaded")
+_MODE_NOTES = {
+    "Replicated": "every device holds all of it",
+    "Sharded": "each device holds 1/N and never the whole",
+    "ShardedWithGather": "each device holds 1/N; gathered whole just when used",
+    "Materialized": "nothing kept: created when needed, freed after",
+    "Offloaded": "kept in host memory, moved over PCIe when used",
+}
+
+
+@dataclass(frozen=True)
+class PlacementCost:
+    persistent: dict[str, float]  # state -> bytes kept on each device between steps
+    peak: dict[str, float]  # state -> bytes at its largest during a step
+    traffic: dict[str, float]  # collective -> bytes each device sends per step
+    pcie: float  # bytes each device moves to or from host memory per step
+
+    @property
+    def persistent_total(self) -> float:
+        return sum(self.persistent.values())
+
+    @property
+    def peak_total(self) -> float:
+        return sum(self.peak.values())
+
+    @property
+    def traffic_total(self) -> float:
+        return sum(self.traffic.values())
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    problems: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return "correct" if self.ok else "incorrect: " + "; ".join(self.problems)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where P, O, G and A live. grad_sync ("all_reduce", "reduce_scatter" or
+    None) and param_sync ("all_gather" or None) default to what the modes need."""
+
+    P: str = "Replicated"
+    O: str = "Replicated"  # noqa: E741
+    G: str = "Replicated"
+    A: str = "Replicated"
+    grad_sync: str | None = "auto"
+    param_sync: str | None = "auto"
+    name: str = ""
+
+    def __post_init__(self):
+        for state in "POGA":
+            if getattr(self, state) not in MODES:
+                raise ValueError(f"{state} must be one of {MODES}, "
+                                 f"not {getattr(self, state)!r}")
+        if self.grad_sync not in ("auto", "all_reduce", "reduce_scatter", None):
+            raise ValueError(f"grad_sync must be 'all_reduce', 'reduce_scatter' or "
+                             f"None, not {self.grad_sync!r}")
+        if self.param_sync not in ("auto", "all_gather", None):
+            raise ValueError(f"param_sync must be 'all_gather' or None, "
+                             f"not {self.param_sync!r}")
+
+    # what the modes imply ----------------------------------------------------
+
+    def _owned_optimizer(self) -> bool:  # each device updates only its shard
+        return self.O in ("Sharded", "ShardedWithGather", "Offloaded")
+
+    def resolved_grad_sync(self) -> str | None:
+        if self.grad_sync != "auto":
+            return self.grad_sync
+        sharded = self._owned_optimizer() or self.G in ("Sharded", "ShardedWithGather")
+        return "reduce_scatter" if sharded else "all_reduce"
+
+    def resolved_param_sync(self) -> str | None:
+        if self.param_sync != "auto":
+            return self.param_sync
+        # replicated parameters updated shard by shard must be gathered again
+        return "all_gather" if self.P == "Replicated" and self._owned_optimizer() \
+            else None
+
+    # the two correctness conditions ---------------------------------------------
+
+    def check(self) -> Verdict:
+        """Gradient integrity: every gradient the optimizer applies is reduced over
+        the whole global batch. State consistency: after the step every device's
+        view of the parameters is the same. Plus: a data-parallel forward needs the
+        whole of each layer's parameters at some point."""
+        problems = []
+        if self.resolved_grad_sync() is None:
+            what = "sharded gradients" if self.G in ("Sharded", "ShardedWithGather") \
+                else "gradients"
+            problems.append(
+                f"gradient integrity: {what} are never reduced across devices, so "
+                "each device applies the gradient of its own micro-batch only")
+        if self.P == "Replicated" and self._owned_optimizer() and \
+                self.resolved_param_sync() is None:
+            problems.append(
+                "state consistency: each device updates only its shard of the "
+                "replicated parameters and nothing gathers the rest, so the "
+                "replicas drift apart")
+        if self.resolved_grad_sync() == "reduce_scatter" and self.O == "Replicated":
+            problems.append(
+                "state consistency: the optimizer is replicated but each device "
+                "holds the reduced gradient of its shard only; the replicas update "
+                "with different gradients")
+        if self.P == "Sharded":
+            problems.append(
+                "parameters are sharded and never gathered: no device can run a "
+                "layer's forward on its own batch (that needs tensor parallelism, "
+                "chapter 09, or ShardedWithGather)")
+        return Verdict(not problems, tuple(problems))
+
+    # memory and traffic -----------------------------------------------------------
+
+    def cost(self, params: float, n_devices: int, *, k: float = 12,
+             param_bytes: float = 2, grad_bytes: float = 2, activations: float = 0.0,
+             gather_fraction: float = 1.0) -> PlacementCost:
+        """Bytes per device (persistent and peak) and traffic per step for Ψ =
+        `params` on N devices. `activations`: one device's activation bytes when
+        Replicated (its own micro-batch). `gather_fraction`: the largest share of a
+        gathered state held whole at once (1/L when gathering one of L layers)."""
+        psi, n = check_params(params), check_n(n_devices)
+        if not 0 < gather_fraction <= 1:
+            raise ValueError(
+                f"gather_fraction must be in (0, 1], got {gather_fraction}")
+        if activations < 0:
+            raise ValueError("activations cannot be negative")
+        full = {"P": param_bytes * psi, "O": k * psi, "G": grad_bytes * psi,
+                "A": float(activations)}
+        persistent, peak = {}, {}
+        for state, size in full.items():
+            mode = getattr(self, state)
+            keep = {"Replicated": size, "Sharded": size / n,
+                    "ShardedWithGather": size / n, "Materialized": 0.0,
+                    "Offloaded": 0.0}[mode]
+            transient = {"ShardedWithGather": gather_fraction * size * (1 - 1 / n),
+                         "Materialized": gather_fraction * size,
+                         "Offloaded": gather_fraction * size / n}.get(mode, 0.0)
+            if state == "A":  # activations live only inside a step
+                keep, transient = 0.0, keep + transient
+            persistent[state], peak[state] = keep, keep + transient
+        share = (n - 1) / n * psi
+        traffic = {}
+        sync = self.resolved_grad_sync()
+        if sync == "all_reduce":
+            traffic["all_reduce (gradients)"] = 2 * share * grad_bytes
+        elif sync == "reduce_scatter":
+            traffic["reduce_scatter (gradients)"] = share * grad_bytes
+        if self.P == "ShardedWithGather":
+            traffic["all_gather (parameters, forward)"] = share * param_bytes
+            traffic["all_gather (parameters, backward)"] = share * param_bytes
+        if self.resolved_param_sync() == "all_gather":
+            traffic["all_gather (parameters, after the step)"] = share * param_bytes
+        pcie = 0.0
+        if self.O == "Offloaded":  # gradients down, updated parameters back up
+            pcie += (grad_bytes + param_bytes) * psi / n
+        if self.P == "Offloaded":
+            pcie += 2 * param_bytes * psi / n
+        return PlacementCost(persistent, peak, traffic, pcie)
+
+    def describe(self) -> str:
+        return "\n".join(f"{s}: {getattr(self, s):<18} {_MODE_NOTES[getattr(self, s)]}"
+                         for s in "POGA")
+
+
+PLACEMENTS = {
+    "DP": Placement("Replicated", "Replicated", "Replicated", "Replicated", name="DP"),
+    "ZeRO-1": Placement("Replicated", "Sharded", "Replicated", "Replicated",
+                        name="ZeRO-1"),
+    "ZeRO-2": Placement("Replicated", "Sharded", "Sharded", "Replicated",
+                        name="ZeRO-2"),
+    "ZeRO-3": Placement("ShardedWithGather", "Sharded", "Sharded", "Replicated",
+                        name="ZeRO-3"),
+    "FSDP": Placement("ShardedWithGather", "Sharded", "Sharded", "Replicated",
+                      name="FSDP"),
+    "ZeRO-Offload": Placement("Replicated", "Offloaded", "Sharded", "Replicated",
+                              name="ZeRO-Offload"),
+}

@@ -1,0 +1,33 @@
+"""Layer 4, pictures: data in, matplotlib Figure out; widgets bind controls to them.
+
+May import the layers below (theory, comm, ledger data). Each chart takes plain
+data and an optional `ax`, draws only there, and returns a Figure without touching
+pyplot or rcParams; a widget only binds controls to a chart.
+
+    from labkit import viz
+    viz.memory_by_rank([m.current for m in mem]); viz.traffic_by_rank(sent)
+    viz.zero_explorer()
+"""
+
+from labkit.viz.diagrams import collective_diagram, ring_grid
+from labkit.viz.ledger_charts import memory_by_rank, timeline, traffic_by_rank
+from labkit.viz.network_charts import bandwidth_chart, hierarchy, link_load
+from labkit.viz.style import CATEGORY_COLORS, OP_COLORS, LabFigure
+from labkit.viz.tables import Comparison, Row, measured_vs_expected
+from labkit.viz.theory_charts import placement_bars, zero_bars
+from labkit.viz.widgets import (
+    PlacementExplorer,
+    RingStepper,
+    ZeroExplorer,
+    placement_explorer,
+    ring_stepper,
+    zero_explorer,
+)
+
+__all__ = [
+    "CATEGORY_COLORS", "OP_COLORS", "Comparison", "LabFigure", "PlacementExplorer",
+    "RingStepper", "Row", "ZeroExplorer", "bandwidth_chart", "collective_diagram",
+    "hierarchy", "link_load", "measured_vs_expected", "memory_by_rank",
+    "placement_bars", "placement_explorer", "ring_grid", "ring_stepper", "timeline",
+    "traffic_by_rank", "zero_bars", "zero_explorer",
+]

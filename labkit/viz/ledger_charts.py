@@ -1,0 +1,132 @@
+"""Charts of what the ledgers measured: memory by rank and category, traffic by rank
+against the bus-bytes model, and a per-rank timeline (a timing)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from labkit.units import MiB
+from labkit.viz.style import (
+    CATEGORY_COLORS,
+    COMPUTE_COLOR,
+    OP_COLORS,
+    _axes,
+    _per_rank,
+    _records,
+)
+
+
+def memory_by_rank(per_rank, expected=None, *, ax=None, unit: float = MiB,
+                   unit_name: str = "MiB", title: str = "Memory by rank") -> Figure:
+    """Stacked bars of bytes by category, one bar per rank.
+
+    per_rank: rank -> {category: bytes} (a dict, or a list indexed by rank; a
+    MemoryLedger's `current` or `at_peak` is such a dict). expected: bytes per rank
+    (one number for all, or one per rank), drawn as a line over each bar.
+    """
+    ranks = _per_rank(per_rank)
+    ranks = {r: getattr(v, "current", v) for r, v in ranks.items()}
+    fig, ax = _axes(ax, (1.2 + 0.9 * len(ranks), 3.6))
+    cats = [c for c in CATEGORY_COLORS if any(v.get(c, 0) for v in ranks.values())]
+    cats += sorted({c for v in ranks.values() for c in v} - set(CATEGORY_COLORS)
+                   - {"Total"})
+    xs = list(range(len(ranks)))
+    bottom = [0.0] * len(xs)
+    for cat in cats:
+        heights = [ranks[r].get(cat, 0) / unit for r in ranks]
+        ax.bar(xs, heights, bottom=bottom, label=cat, width=0.6,
+               color=CATEGORY_COLORS.get(cat))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    if expected is not None:
+        exp = _per_rank(expected) if isinstance(expected, (Mapping, Sequence)) else {
+            r: expected for r in ranks}
+        for x, r in zip(xs, ranks):
+            if exp.get(r) is not None:
+                ax.hlines(exp[r] / unit, x - 0.4, x + 0.4, colors="black",
+                          linestyles="--", label="expected" if x == 0 else None)
+    ax.set_xticks(xs, [f"rank {r}" for r in ranks])
+    ax.set_ylabel(unit_name)
+    ax.set_title(title)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+# --------------------------------------------------------------------- traffic
+
+
+def traffic_by_rank(ledgers, *, ax=None, unit: float = MiB, unit_name: str = "MiB",
+                    title: str = "Bytes sent by rank, per collective") -> Figure:
+    """Per rank and op: bytes measured on the wire (solid) next to the bus-bytes
+    model (hatched). ledgers: rank -> TrafficLedger or list of records."""
+    ranks = {r: _records(v) for r, v in _per_rank(ledgers).items()}
+    ops = sorted({rec.op for recs in ranks.values() for rec in recs},
+                 key=lambda o: list(OP_COLORS).index(o) if o in OP_COLORS else 99)
+    fig, ax = _axes(ax, (1.5 + 1.2 * len(ranks), 3.6))
+    width = 0.8 / max(1, 2 * len(ops))
+    for i, op in enumerate(ops):
+        wire, model = [], []
+        for recs in ranks.values():
+            sel = [rec for rec in recs if rec.op == op]
+            known = all(rec.wire_bytes is not None for rec in sel)
+            # unknown wire bytes (NCCL, point-to-point, no /proc) are not drawn as 0
+            wire.append(sum(rec.wire_bytes for rec in sel) / unit if known
+                        else float("nan"))
+            model.append(sum(rec.bus_bytes for rec in sel) / unit)
+        xs = [k - 0.4 + (2 * i + 0.5) * width for k in range(len(ranks))]
+        color = OP_COLORS.get(op)
+        unknown = any(w != w for w in wire)  # some rank could not measure it
+        ax.bar(xs, wire, width, color=color,
+               label=f"{op} (wire: not measured)" if unknown else f"{op} (wire)")
+        ax.bar([x + width for x in xs], model, width, color=color, alpha=0.35,
+               hatch="//", edgecolor=color, label=f"{op} (bus model)")
+    ax.set_xticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_ylabel(unit_name)
+    ax.set_title(title)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+# --------------------------------------------------------------------- timeline
+
+
+def timeline(ledgers, *, ax=None, title: str = "Timeline (a timing: varies run to run)"
+             ) -> Figure:
+    """One lane per rank: compute (grey) and each collective (coloured) as spans,
+    from the ledgers' own clocks (CLOCK_MONOTONIC, shared by the ranks)."""
+    ranks = _per_rank(ledgers)
+    starts = [getattr(v, "start", None) for v in ranks.values()]
+    recs_all = [rec for v in ranks.values() for rec in _records(v)]
+    origin = min([s for s in starts if s] + [rec.start for rec in recs_all] or [0.0])
+    fig, ax = _axes(ax, (8, 0.8 + 0.6 * len(ranks)))
+    seen = set()
+    for lane, v in enumerate(ranks.values()):
+        recs = sorted(_records(v), key=lambda rec: rec.start)
+        t0 = getattr(v, "start", None) or (recs[0].start if recs else origin)
+        t1 = getattr(v, "stop", None) or (recs[-1].start + recs[-1].seconds if recs
+                                          else t0)
+        # compute: the ledger's window minus the collectives
+        cursor, gaps = t0, []
+        for rec in recs:
+            if rec.start > cursor:
+                gaps.append((cursor - origin, rec.start - cursor))
+            cursor = max(cursor, rec.start + rec.seconds)
+        if t1 > cursor:
+            gaps.append((cursor - origin, t1 - cursor))
+        ax.broken_barh(gaps, (lane - 0.35, 0.7), facecolors=COMPUTE_COLOR)
+        for rec in recs:
+            ax.broken_barh([(rec.start - origin, rec.seconds)], (lane - 0.35, 0.7),
+                           facecolors=OP_COLORS.get(rec.op, "black"))
+            seen.add(rec.op)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the first rank started recording")
+    ax.set_title(title)
+    handles = [Patch(color=COMPUTE_COLOR, label="compute")]
+    handles += [Patch(color=OP_COLORS.get(op, "black"), label=op)
+                for op in OP_COLORS if op in seen]
+    ax.legend(handles=handles, fontsize="small", loc="upper left",
+              bbox_to_anchor=(1.0, 1.0))
+    return fig

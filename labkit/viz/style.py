@@ -1,0 +1,59 @@
+"""What every chart shares: colours by category and by collective, and a Figure
+that shows itself in a notebook without pyplot."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+
+from matplotlib.figure import Figure
+
+CATEGORY_COLORS = {
+    "Parameter": "#4C72B0",
+    "Buffer": "#64B5CD",
+    "Gradient": "#DD8452",
+    "Optstate": "#55A868",
+    "Activation": "#C44E52",
+    "Temp": "#8172B3",
+    "Other": "#937860",
+}
+OP_COLORS = {
+    "all_reduce": "#4C72B0",
+    "all_gather": "#55A868",
+    "reduce_scatter": "#DD8452",
+    "broadcast": "#8172B3",
+    "reduce": "#937860",
+    "all_to_all": "#C44E52",
+    "scatter": "#DA8BC3",
+    "gather": "#8C8C8C",
+    "send": "#CCB974",
+    "recv": "#64B5CD",
+    "barrier": "#333333",
+}
+COMPUTE_COLOR = "#D9D9D9"
+
+
+class LabFigure(Figure):
+    """A Figure that shows itself in a notebook without pyplot (no global state)."""
+
+    def _repr_png_(self) -> bytes:
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+        return buf.getvalue()
+
+
+def _axes(ax, figsize):
+    if ax is not None:
+        return ax.figure, ax
+    fig = LabFigure(figsize=figsize, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def _per_rank(data) -> dict[int, object]:
+    if isinstance(data, Mapping):
+        return dict(sorted(data.items()))
+    return dict(enumerate(data))
+
+
+def _records(ledger) -> list:
+    return list(getattr(ledger, "records", ledger))
