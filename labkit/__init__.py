@@ -8,12 +8,13 @@ from labkit.runtime import forkserver as _forkserver
 
 _forkserver.prewarm()  # the rank forkserver imports torch while this process does too
 
-from labkit.runtime.cluster import (  # noqa: E402
+from labkit.runtime import (  # noqa: E402
     Cluster,
     CollectiveTimeout,
     RankError,
     RankResults,
     default_cluster,
+    progress,
     run,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "RankError",
     "RankResults",
     "default_cluster",
+    "progress",
     "run",
 ]
 

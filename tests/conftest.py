@@ -52,3 +52,13 @@ def children_of(pid: int) -> list[int]:
             if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
                 out.append(int(d))
     return out
+
+
+def descendants_of(pid: int) -> list[int]:
+    """Children, their children, ... (ranks may be forked by a successor)."""
+    out, todo = [], [pid]
+    while todo:
+        kids = children_of(todo.pop())
+        out += kids
+        todo += kids
+    return out

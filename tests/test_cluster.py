@@ -11,9 +11,9 @@ import torch
 
 import labkit
 from labkit import CollectiveTimeout, RankError
-from labkit.runtime.cluster import gpu_count
+from labkit.runtime.backend import gpu_count
 from labkit.runtime.forkserver import shared as forkserver
-from tests.conftest import alive, children_of, wait_gone
+from tests.conftest import alive, descendants_of, wait_gone
 
 
 def _rank_and_size(rank, world_size):
@@ -181,7 +181,7 @@ def test_rank_killed_while_idle_is_restarted(capsys):
     with labkit.Cluster(2) as c:
         old = c.pids
         os.kill(old[0], signal.SIGKILL)
-        assert not wait_gone([old[0]], 2.0, until_reaped=True)  # the zygote reaps it
+        assert not wait_gone([old[0]], 2.0, until_reaped=True)  # the forkserver reaps it
         assert c.run(_rank_and_size).values == [(0, 2), (1, 2)]
         assert "rank 0 killed by SIGKILL" in capsys.readouterr().err
         assert set(c.pids.values()).isdisjoint(old.values())
@@ -328,11 +328,11 @@ def test_many_runs_leak_no_processes_threads_or_files():
     with labkit.Cluster(4) as c:
         for _ in range(10):
             c.run(_rank_and_size)
-        zygote = forkserver().proc.pid
+        server = forkserver().proc.pid
 
         def counts():
             return (
-                len(children_of(zygote)),
+                len(descendants_of(server)),
                 threading.active_count(),
                 len(os.listdir("/proc/self/task")),
                 len(os.listdir("/proc/self/fd")),

@@ -9,7 +9,8 @@ library, torch and cloudpickle.
 """
 
 from labkit.runtime.cluster import Cluster, default_cluster, run
+from labkit.runtime.progress import progress
 from labkit.runtime.results import CollectiveTimeout, RankError, RankResults
 
 __all__ = ["Cluster", "CollectiveTimeout", "RankError", "RankResults",
-           "default_cluster", "run"]
+           "default_cluster", "progress", "run"]

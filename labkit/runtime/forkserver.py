@@ -1,15 +1,25 @@
-"""The rank forkserver ("zygote"), seen from the kernel: one per process.
+"""The forkserver: a process with torch imported that forks rank processes.
 
-It is a fresh Python that imports torch once and then forks rank processes on
-request (the other half is labkit.runtime.rank.zygote_main). It runs in its own session
-and exits when this process does. Forked ranks are its children: it reaps them and
-reports how each ended.
+A kernel starts one (a fresh ``python`` running `serve`, not a fork of the
+multi-threaded kernel) in its own session; it imports torch once, so a cluster
+starts in a fraction of a second after the first. Ranks are its children: it reaps
+them and reports how each ended. It exits when the kernel does.
+
+Ranks forked later also want what the memory ledger imports (DTensor, ~2 s). The
+forkserver never imports that itself, since it could not fork while importing:
+once idle after serving a cluster, it forks a successor that imports it and then
+takes over the forking, while the first keeps serving until the successor is
+ready (so a restart after a fault never waits for an import).
+
+`Forkserver` is the kernel's handle on it; `shared()` the one per kernel.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -17,25 +27,167 @@ import tempfile
 import threading
 import time
 
-from labkit.runtime import wire as _wire
-from labkit.runtime.rank import ROLE_ENV
+from labkit.runtime import wire
+from labkit.runtime.messages import (
+    ROLE_ENV,
+    ForkserverReady,
+    RankExited,
+    Spawn,
+    Spawned,
+    Successor,
+)
+
+PRELOAD_WHEN_IDLE = ("labkit.ledger", "torch.distributed._tools.mem_tracker")
+IDLE_BEFORE_PRELOAD = 1.0  # seconds idle after serving a cluster
+
+
+# --------------------------------------------------------------- the process
+
+
+def serve(ctrl_fd: int, lifeline_fd: int, kernel_pid: int) -> None:
+    """The forkserver's main: import torch, say ready, fork ranks on request."""
+    os.environ[ROLE_ENV] = "forkserver"
+    import cloudpickle  # noqa: F401  (imported once here, inherited by every rank)
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # what says the kernel is gone: EOF on a pipe only it writes to, or its pidfd
+    gone = tuple(fd for fd in (lifeline_fd, _pidfd_open(kernel_pid)) if fd >= 0)
+    if os.getppid() != kernel_pid:  # the kernel died while we imported torch
+        return
+    _loop(socket.socket(fileno=ctrl_fd), gone, preload=PRELOAD_WHEN_IDLE)
+
+
+def _loop(ctrl: socket.socket, gone: tuple[int, ...], preload: tuple[str, ...]):
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select via wake_w
+    wire.send(ctrl, ForkserverReady(os.getpid(), _preloaded()))
+    served = False
+    while True:
+        idle = IDLE_BEFORE_PRELOAD if served and preload else None
+        ready, _, _ = select.select([ctrl, wake_r, *gone], [], [], idle)
+        if not ready:  # idle after serving a cluster: let a successor import more
+            _start_successor(ctrl, gone, preload, close=(wake_r, wake_w))
+            preload = ()
+            continue
+        if any(fd in ready for fd in gone):
+            return
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+            _reap(ctrl)
+        if ctrl in ready:
+            msg = wire.recv(ctrl)
+            if msg is None:
+                return
+            if isinstance(msg, Spawn):
+                sys.stdout.flush()
+                sys.stderr.flush()
+                keep = (ctrl.fileno(), wake_r, wake_w)
+                pids = tuple(_fork_rank(spec, keep, gone) for spec in msg.specs)
+                wire.send(ctrl, Spawned(pids))
+                served = True
+
+
+def _start_successor(ctrl, gone, preload, close) -> None:
+    ours, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the successor: import, then serve on its own connection
+        try:
+            signal.set_wakeup_fd(-1)
+            for fd in (ctrl.fileno(), ours.fileno(), *close):
+                os.close(fd)
+            for name in preload:
+                importlib.import_module(name)
+            _loop(theirs, gone, preload=())
+        finally:
+            os._exit(0)
+    theirs.close()
+    wire.send(ctrl, Successor(pid))
+    socket.send_fds(ctrl, [b"s"], [ours.fileno()])
+    ours.close()
+
+
+def _preloaded() -> tuple[str, ...]:
+    return tuple(m for m in PRELOAD_WHEN_IDLE if m in sys.modules)
+
+
+def _reap(ctrl: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        wire.send(ctrl, RankExited(pid, describe_status(status)))
+
+
+def describe_status(status: int) -> str:
+    """'exited with code 1' / 'killed by SIGKILL' from a waitpid status."""
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    return f"exited with code {code}"
+
+
+def _pidfd_open(pid: int) -> int:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return -1
+
+
+def _fork_rank(spec, close_fds: tuple[int, ...], gone: tuple[int, ...]) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        for fd in close_fds:
+            os.close(fd)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        from labkit.runtime.rank import rank_main
+
+        code = rank_main(spec, gone)
+    except BaseException:  # noqa: BLE001  (whatever happens, report it and leave)
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+# ---------------------------------------------------------- the kernel's handle
 
 
 class Forkserver:
-    """One forkserver per kernel process, with torch preloaded."""
+    """The kernel's handle on its forkserver (and the successor that takes over)."""
 
     def __init__(self):
         lifeline_r, self._lifeline_w = os.pipe()
         mine, theirs = socket.socketpair()
-        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        src_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
         env = dict(os.environ)
-        env[ROLE_ENV] = "zygote"
+        env[ROLE_ENV] = "forkserver"
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (pkg_root, env.get("PYTHONPATH")) if p
-        )
-        self.log = tempfile.NamedTemporaryFile(prefix="labkit-zygote-", suffix=".log")
-        code = "import sys; from labkit.runtime.rank import zygote_main; " \
-               "zygote_main(*map(int, sys.argv[1:]))"
+            p for p in (os.path.abspath(src_root), env.get("PYTHONPATH")) if p)
+        self.log = tempfile.NamedTemporaryFile(prefix="labkit-forkserver-",
+                                               suffix=".log")
+        code = "import sys; from labkit.runtime.forkserver import serve; " \
+               "serve(*map(int, sys.argv[1:]))"
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, str(theirs.fileno()), str(lifeline_r),
              str(os.getpid())],
@@ -48,77 +200,93 @@ class Forkserver:
         )
         os.close(lifeline_r)
         theirs.close()
-        self.sock = mine
-        self.ready = False
+        self.sock = mine  # the one that forks: the first, then its successor
+        self._socks = [mine]  # all, for the exit reports of the ranks each forked
+        self._ready: set[socket.socket] = set()
+        self._successor: socket.socket | None = None
         self.exits: dict[int, str] = {}
-        self.preloaded: set[str] = set()
-        self.lock = threading.Lock()
+        self.preloaded: tuple[str, ...] = ()
+        self.lock = threading.RLock()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def _handle(self, msg) -> None:
-        if msg[0] == "exited":
-            self.exits[msg[1]] = msg[2]
-        elif msg[0] == "preloaded":
-            self.preloaded.add(msg[1])
+    def _take(self, sock: socket.socket):
+        """Read one message from `sock` and act on it; None on EOF."""
+        msg = wire.recv(sock)
+        if msg is None:
+            if sock in self._socks:
+                self._socks.remove(sock)
+            if sock is self._successor:
+                self._successor = None
+            return None
+        if isinstance(msg, RankExited):
+            self.exits[msg.pid] = msg.how
+        elif isinstance(msg, ForkserverReady):
+            self._ready.add(sock)
+            if sock is self._successor:  # it has imported more: it forks from now
+                self.sock, self._successor = sock, None
+                self.preloaded = msg.preloaded
+        elif isinstance(msg, Successor):
+            _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+            self._successor = socket.socket(fileno=fds[0])
+            self._socks.append(self._successor)
+        return msg
+
+    def _drain(self, timeout: float) -> None:
+        """Take in whatever arrives within `timeout` seconds (0: only what's there)."""
+        ready = select.select(self._socks, [], [], timeout)[0] if self._socks else []
+        for sock in ready:
+            self._take(sock)
+
+    def _died(self) -> str:
+        self.log.seek(0)
+        tail = self.log.read().decode(errors="replace")[-4000:]
+        return f"labkit's rank forkserver exited ({self.proc.returncode}); its log:\n" \
+               f"{tail}"
+
+    def spawn(self, specs, deadline: float) -> tuple[int, ...]:
+        """Fork one rank per spec; their pids."""
+        with self.lock:
+            while self.sock not in self._ready:
+                if not self.alive():
+                    raise RuntimeError(self._died())
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the rank forkserver did not start in time")
+                self._drain(0.5)
+            sock = self.sock
+            wire.send(sock, Spawn(tuple(specs)))
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the rank forkserver did not answer in time")
+                if select_one(sock, min(left, 0.5))[0]:
+                    msg = self._take(sock)
+                    if isinstance(msg, Spawned):
+                        return msg.pids
+                if not self.alive() or sock not in self._socks:
+                    raise RuntimeError(self._died())
+
+    def poll(self) -> None:
+        """Take in exit reports and hand-overs without blocking."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self._drain(0)
+            finally:
+                self.lock.release()
 
     def wait_preloaded(self, timeout: float = 30.0) -> bool:
-        """Wait until the zygote has imported what it imports when idle."""
-        from labkit.runtime.rank import PRELOAD_WHEN_IDLE
-
+        """Wait until the forkserver that forks has imported PRELOAD_WHEN_IDLE."""
         end = time.monotonic() + timeout
         while len(self.preloaded) < len(PRELOAD_WHEN_IDLE):
             if time.monotonic() > end:
                 return False
-            self.poll()
-            time.sleep(0.05)
+            with self.lock:
+                self._drain(0.05)
         return True
 
-    def _recv(self, deadline: float):
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("the rank forkserver did not answer in time")
-            if select_one(self.sock, min(left, 0.5))[0]:
-                msg = _wire.recv(self.sock)
-                if msg is not None:
-                    return msg
-                self.proc.wait(5)  # EOF: it is exiting
-            if not self.alive():
-                self.log.seek(0)
-                tail = self.log.read().decode(errors="replace")[-4000:]
-                raise RuntimeError(
-                    "labkit's rank forkserver exited "
-                    f"({self.proc.returncode}); its log:\n{tail}"
-                )
-
-    def spawn(self, specs: list[dict], deadline: float) -> list[int]:
-        with self.lock:
-            while not self.ready:
-                msg = self._recv(deadline)
-                self.ready = msg[0] == "ready"
-            _wire.send(self.sock, ("spawn", specs))
-            while True:
-                msg = self._recv(deadline)
-                if msg[0] == "spawned":
-                    return msg[1]
-                self._handle(msg)
-
-    def poll(self) -> None:
-        """Take in exit reports without blocking."""
-        if not self.lock.acquire(blocking=False):
-            return
-        try:
-            while select_one(self.sock, 0)[0]:
-                msg = _wire.recv(self.sock)
-                if msg is None:
-                    return
-                self._handle(msg)
-        finally:
-            self.lock.release()
-
     def exit_status(self, pid: int, wait: float = 0.0) -> str | None:
+        """How rank `pid` ended, as its forkserver saw it (None: not yet known)."""
         end = time.monotonic() + wait
         while True:
             self.poll()
@@ -136,6 +304,7 @@ _SHARED_LOCK = threading.Lock()
 
 
 def shared() -> Forkserver:
+    """This process's forkserver, started on first use (or again if it died)."""
     global _SHARED
     with _SHARED_LOCK:
         if _SHARED is None or not _SHARED.alive():

@@ -10,6 +10,8 @@ import reprlib
 
 import cloudpickle
 
+from labkit.runtime.messages import RemoteError, Status
+
 
 class RankError(RuntimeError):
     """One or more ranks failed. The message has each failed rank's traceback.
@@ -91,10 +93,10 @@ def _short(v, limit: int = 2000) -> str:
     return s if len(s) <= limit else s[:limit] + " …"
 
 
-def first_line(info: dict) -> str:
-    msg = info["message"].strip().split("\n")[0]
+def first_line(error: RemoteError) -> str:
+    msg = error.message.strip().split("\n")[0]
     msg = msg if len(msg) <= 100 else msg[:100] + "…"
-    return f"raised {info['type']}" + (f": {msg}" if msg else "")
+    return f"raised {error.type}" + (f": {msg}" if msg else "")
 
 
 def loads_or_none(data):
@@ -106,31 +108,31 @@ def loads_or_none(data):
         return None
 
 
-def format_remote(info: dict) -> str:
+def format_remote(error: RemoteError) -> str:
     """Format a rank's traceback here, where the notebook's cell sources are."""
-    te = loads_or_none(info["te"])
+    te = loads_or_none(error.te)
     if te is None:
-        return info["text"]
+        return error.text
     try:
         return "".join(te.format())
     except Exception:  # noqa: BLE001
-        return info["text"]
+        return error.text
 
 
 _TORCH_DIR = os.sep + "torch" + os.sep
 
 
-def describe_busy(status: dict) -> str:
+def describe_busy(status: Status) -> str:
     """'in all_reduce (torch.distributed), called at File ..., line 4: x = ...'"""
-    stack = status.get("stack") or []
-    if status.get("call") is None and not stack:
+    stack = status.stack
+    if status.call_id is None and not stack:
         return "idle"
     parts = []
-    if status.get("activity"):
-        parts.append(f"in {status['activity']} (torch.distributed)")
+    if status.activity:
+        parts.append(f"in {status.activity} (torch.distributed)")
     # the innermost torch.distributed frame names the collective
     dist_frames = [f for f in stack if _TORCH_DIR + "distributed" in f[0]]
-    if dist_frames and not status.get("activity"):
+    if dist_frames and not status.activity:
         parts.append(f"in {dist_frames[-1][2]} (torch.distributed)")
     user = [f for f in stack if _TORCH_DIR not in f[0]]
     if user:
@@ -140,3 +142,60 @@ def describe_busy(status: dict) -> str:
         parts.append(("called at " if parts else "at ") + where + (f": {src}" if src
                                                                     else ""))
     return ", ".join(parts) or "busy"
+
+
+def build_error(failed: dict, busy: dict[int, str], finished: list[int],
+                timeout: float | None) -> RankError:
+    """The exception for a call that did not end well on every rank.
+
+    failed: rank -> a RemoteError, or a string saying how the rank died; busy:
+    rank -> what a rank still running was doing; finished: ranks that returned."""
+    texts, excs, heads = {}, {}, []
+    for r, f in sorted(failed.items()):
+        if isinstance(f, str):
+            texts[r], excs[r] = f"rank {r} died: {f}", None
+            heads.append(f"rank {r} {f}")
+        else:
+            texts[r], excs[r] = format_remote(f), loads_or_none(f.exc)
+            heads.append(f"rank {r} {first_line(f)}")
+    if failed:
+        lines = ["; ".join(heads)]
+        for r, t in texts.items():
+            lines += ["", f"--- rank {r} ---", t.rstrip()]
+    else:
+        lines = [f"ranks {sorted(busy)} still busy after {timeout:g} s "
+                 "(did every rank call the same collectives, in the same order?)"]
+    if busy or finished:
+        lines += ["", "--- the other ranks ---" if failed else "--- ranks ---"]
+        for r in sorted([*busy, *finished]):
+            lines.append(f"rank {r}: " + (busy[r] if r in busy else "finished"))
+    lines += ["", "The ranks were stopped; the next run starts them again."]
+    cls = RankError if failed else CollectiveTimeout
+    return cls("\n".join(lines), failures=texts, exceptions=excs, busy=busy,
+               finished=finished)
+
+
+def _is_cell(filename: str) -> bool:
+    """A notebook cell's code (ipykernel names cells /tmp/ipykernel_PID/HASH.py)."""
+    return ("ipykernel_" in filename or filename.startswith("<ipython-input")
+            or filename.startswith("<%%ranks"))
+
+
+def describe_live(status: Status) -> str:
+    """'in all_reduce of 1.0 MiB (group of 4), line 4 of your cell: dist.all_reduce(x),
+    1.8 s': one status line for the live view of a call."""
+    parts = []
+    dist_frames = [f for f in status.stack if _TORCH_DIR + "distributed" in f[0]]
+    if status.activity:
+        parts.append(f"in {status.activity}")
+    elif dist_frames:
+        parts.append(f"in {dist_frames[-1][2]}")
+    user = [f for f in status.stack if _TORCH_DIR not in f[0]
+            and os.sep + "labkit" + os.sep + "runtime" not in f[0]]
+    if user:
+        filename, lineno, name = user[-1]
+        where = "your cell" if _is_cell(filename) else os.path.basename(filename)
+        src = linecache.getline(filename, lineno).strip()
+        parts.append(f"line {lineno} of {where}" + (f": {src}" if src else ""))
+    parts.append(f"{status.seconds:.1f} s")
+    return ", ".join(parts) if len(parts) > 1 else f"running, {parts[0]}"

@@ -1,0 +1,101 @@
+"""What a cluster runs on: the backend (gloo on CPU, NCCL with one GPU per rank),
+the TCPStore its ranks meet at, and the checks on what a student passes in."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+
+MAX_WORLD_SIZE = 64
+
+_GPU_COUNT: int | None = None
+
+
+def gpu_count() -> int:
+    """CUDA devices visible, found without initialising CUDA in this process."""
+    global _GPU_COUNT
+    if _GPU_COUNT is None:
+        import torch
+
+        if torch.version.cuda is None or not torch.backends.cuda.is_built():
+            _GPU_COUNT = 0
+        else:
+            n = torch.cuda._device_count_nvml()
+            if n < 0:  # no NVML: ask a throwaway process
+                out = subprocess.run(
+                    [sys.executable, "-c",
+                     "import torch; print(torch.cuda.device_count())"],
+                    capture_output=True, text=True, timeout=120,
+                )
+                n = int(out.stdout.strip() or 0)
+            _GPU_COUNT = n
+    return _GPU_COUNT
+
+
+def resolve_backend(backend: str, world_size: int, gpus: int | None = None) -> str:
+    """"auto" -> "nccl" when there is one GPU per rank, else "gloo"."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', not {backend!r}")
+    if backend == "gloo":
+        return "gloo"
+    gpus = gpu_count() if gpus is None else gpus
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(
+            f"backend='nccl' needs one GPU per rank: world_size={world_size} but "
+            f"{gpus} CUDA device(s) are visible. Use backend='gloo' (CPU) or fewer "
+            "ranks."
+        )
+    return "nccl" if gpus >= world_size else "gloo"
+
+
+def make_store():
+    """A TCPStore for rendezvous, listening on 127.0.0.1 only, on a free port."""
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(512)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60),
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now and closes it
+    return store, port
+
+
+def check_world_size(world_size) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be between 1 and {MAX_WORLD_SIZE}, "
+                         f"got {world_size}")
+    return world_size
+
+
+def check_timeout(timeout) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    return float(timeout)
+
+
+def check_ranks(ranks, world_size: int) -> list[int]:
+    """None -> every rank; an int or a list of distinct ranks -> sorted list."""
+    if ranks is None:
+        return list(range(world_size))
+    if isinstance(ranks, int):
+        ranks = [ranks]
+    ranks = list(ranks)
+    bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < world_size]
+    if bad or not ranks or len(set(ranks)) != len(ranks):
+        raise ValueError(f"ranks must be distinct integers in 0..{world_size - 1}, "
+                         f"got {ranks!r}")
+    return sorted(ranks)

@@ -1,0 +1,211 @@
+"""One call on the ranks: send it, collect what each rank answers (or how it
+failed), ask the ranks still busy what they are doing, and print what they wrote."""
+
+from __future__ import annotations
+
+import itertools
+import selectors
+import time
+
+import cloudpickle
+
+from labkit.runtime import wire
+from labkit.runtime.forkserver import select_one
+from labkit.runtime.live import (
+    STATUS_AFTER,
+    STATUS_EVERY,
+    LiveView,
+    display_publisher,
+    live_frontend,
+)
+from labkit.runtime.messages import Call, Progress, Raised, Returned, StatusRequest
+from labkit.runtime.output import write_transcript
+from labkit.runtime.results import (
+    RankResults,
+    build_error,
+    describe_busy,
+    describe_live,
+)
+
+GRACE = 0.5  # after one rank fails, how long the others get to finish
+STATUS_TIMEOUT = 1.0
+TICK = 0.1  # seconds between looks at the ranks' output while a call is watched
+_CALL_IDS = itertools.count(1)
+
+
+class Collector:
+    """Runs one call on `ranks` of `cluster` (a labkit.Cluster whose ranks run)."""
+
+    def __init__(self, cluster, ranks: list[int], timeout: float | None,
+                 publish=None):
+        self.cluster = cluster
+        self.ranks = ranks
+        self.timeout = timeout
+        self.output = cluster._output
+        if publish is None and live_frontend():
+            publish = display_publisher()
+        self.view = LiveView(ranks, self.output.width, publish) if publish else None
+        self.asked: set[int] = set()  # status requests not yet answered
+        self.returned: dict[int, Returned] = {}
+        self.failed: dict[int, object] = {}  # rank -> RemoteError, or how it died
+
+    def collect(self, payload: bytes) -> RankResults:
+        main = self.cluster._main
+        for r in self.ranks:
+            try:
+                wire.send_bytes(main[r], payload)
+            except OSError:
+                pass  # a dead rank: its EOF is reported below
+        finished = False
+        try:
+            pending = self._wait()
+            busy = self._ask_status(sorted(pending)) if pending else {}
+            outputs, transcript = self.output.transcript(self.ranks)
+            finished = True
+        finally:
+            if self.view is not None:  # also on an interrupt: show where it stopped
+                self.view.finish(transcript if finished else self._so_far())
+        if self.view is None:
+            write_transcript(transcript)
+        if self.failed or pending:
+            raise build_error(self.failed, busy, sorted(self.returned), self.timeout)
+        return RankResults({r: m.value for r, m in self.returned.items()}, outputs,
+                           {r: m.seconds for r, m in self.returned.items()},
+                           self.cluster.world_size)
+
+    def _wait(self) -> set[int]:
+        """Take in replies until every rank answered, one failed (then GRACE), or
+        the timeout; the ranks still pending."""
+        sel = self.cluster._sel
+        start = time.monotonic()
+        deadline = None if self.timeout is None else start + self.timeout
+        pending = set(self.ranks)
+        first_failure = None
+        next_status = start + STATUS_AFTER
+        while pending:
+            stop = deadline
+            if first_failure is not None:
+                grace_end = first_failure + GRACE
+                stop = grace_end if stop is None else min(stop, grace_end)
+            now = time.monotonic()
+            left = None if stop is None else stop - now
+            if left is not None and left <= 0:
+                break
+            if self.view is not None:
+                left = TICK if left is None else min(left, TICK)
+                self._watch(pending, now, next_status)
+                if now >= next_status:
+                    next_status = now + STATUS_EVERY
+            for key, _ in sel.select(left):
+                r = key.data
+                if isinstance(r, tuple):  # ("status", rank): a live status line
+                    self._take_status(r[1])
+                    continue
+                data = wire.recv_bytes(key.fileobj)
+                if data is None:
+                    sel.unregister(key.fileobj)
+                    self.failed[r] = self.cluster._how_ended(r)
+                else:
+                    msg = cloudpickle.loads(data)
+                    if isinstance(msg, Progress):
+                        if self.view is not None:
+                            self.view.progress(r, msg)
+                        continue
+                    if isinstance(msg, Raised):
+                        self.failed[r] = msg.error
+                    else:
+                        self.returned[r] = msg
+                pending.discard(r)
+                if self.failed and first_failure is None:
+                    first_failure = time.monotonic()
+        self._forget_status(sel)
+        return pending
+
+    # -- the live view ---------------------------------------------------------
+
+    def _watch(self, pending: set[int], now: float, next_status: float) -> None:
+        for r in self.ranks:
+            for stream in ("out", "err"):
+                self.view.add_lines(r, "stderr" if stream == "err" else "stdout",
+                                    self.output.tail(r, stream))
+        if now >= next_status:
+            if self.view.statuses:  # ranks that finished since: no line
+                self.view.set_status({r: s for r, s in self.view.statuses.items()
+                                      if r in pending})
+            for r in sorted(pending - self.asked):
+                sock = self.cluster._status.get(r)
+                try:
+                    wire.send(sock, StatusRequest())
+                except (OSError, AttributeError):
+                    continue
+                self.asked.add(r)
+                self.cluster._sel.register(sock, selectors.EVENT_READ, ("status", r))
+        self.view.refresh(now)
+
+    def _take_status(self, rank: int) -> None:
+        sock = self.cluster._status[rank]
+        self.cluster._sel.unregister(sock)
+        self.asked.discard(rank)
+        st = wire.recv(sock)
+        if st is not None and rank not in self.returned and rank not in self.failed:
+            statuses = dict(self.view.statuses)
+            statuses[rank] = describe_live(st)
+            self.view.set_status(statuses)
+
+    def _forget_status(self, sel) -> None:
+        """Read (and drop) the answers to live status requests still on their way,
+        so the status connections are clean for the next question."""
+        for r in sorted(self.asked):
+            sock = self.cluster._status[r]
+            sel.unregister(sock)
+            if select_one(sock, STATUS_TIMEOUT)[0]:
+                wire.recv(sock)
+        self.asked.clear()
+
+    def _so_far(self) -> list:
+        try:
+            return self.output.transcript(self.ranks)[1]
+        except Exception:  # noqa: BLE001  (showing what we can is best effort)
+            return []
+
+    def _ask_status(self, ranks: list[int]) -> dict[int, str]:
+        """What each rank still busy is doing (after the call gave up on it)."""
+        status = self.cluster._status
+        asked = []
+        for r in ranks:
+            try:
+                wire.send(status[r], StatusRequest())
+                asked.append(r)
+            except (OSError, KeyError):
+                pass
+        out = {r: "not answering" for r in ranks}
+        end = time.monotonic() + STATUS_TIMEOUT
+        for r in asked:
+            if select_one(status[r], max(0.0, end - time.monotonic()))[0]:
+                st = wire.recv(status[r])
+                if st is not None:
+                    out[r] = describe_busy(st)
+        return out
+
+
+def pack_call(fn, args, kwargs) -> bytes:
+    """Pickle the call once (cloudpickle: notebook functions travel by value)."""
+    try:
+        return cloudpickle.dumps(Call(next(_CALL_IDS), fn, args, kwargs), protocol=5)
+    except Exception as e:  # noqa: BLE001  (find out which piece, and say so)
+        err = e
+    pieces = [(f"the function {getattr(fn, '__name__', fn)!r}", fn)]
+    pieces += [(f"argument {i} ({type(a).__name__})", a) for i, a in enumerate(args)]
+    pieces += [(f"keyword argument {k!r} ({type(v).__name__})", v)
+               for k, v in kwargs.items()]
+    for what, obj in pieces:
+        try:
+            cloudpickle.dumps(obj, protocol=5)
+        except Exception as e:  # noqa: BLE001
+            raise TypeError(
+                f"{what} cannot be sent to the ranks: {type(e).__name__}: {e}"
+            ) from e
+    raise TypeError(f"the call cannot be sent to the ranks: {err}") from err
+
+
+
