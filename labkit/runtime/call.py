@@ -33,6 +33,11 @@ TICK = 0.1  # seconds between looks at the ranks' output while a call is watched
 _CALL_IDS = itertools.count(1)
 
 
+def _publisher():
+    """Where a call's live view is drawn: the calling cell if a person watches it."""
+    return display_publisher() if live_frontend() else None
+
+
 class Collector:
     """Runs one call on `ranks` of `cluster` (a labkit.Cluster whose ranks run)."""
 
@@ -42,8 +47,7 @@ class Collector:
         self.ranks = ranks
         self.timeout = timeout
         self.output = cluster._output
-        if publish is None and live_frontend():
-            publish = display_publisher()
+        publish = _publisher() if publish is None else publish
         self.view = LiveView(ranks, self.output.width, publish) if publish else None
         self.asked: set[int] = set()  # status requests not yet answered
         self.returned: dict[int, Returned] = {}

@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import weakref
 
@@ -61,6 +62,7 @@ class Cluster:
         self.backend = resolve_backend(backend, self.world_size)
         self.threads = threads or max(1, (os.cpu_count() or 1) // self.world_size)
         self._closed = False
+        self._lock = threading.RLock()
         self._gen = 0
         self._calls = 0
         self._pids: dict[int, int] = {}
@@ -100,15 +102,16 @@ class Cluster:
         ranks = check_ranks(ranks, self.world_size)
         timeout = self.timeout if timeout is _DEFAULT else check_timeout(timeout)
         payload = pack_call(fn, args, kwargs)
-        if self._closed:
-            raise RuntimeError("this Cluster is closed; create a new one")
-        try:
-            self._ensure_running()
-            self._calls += 1
-            return Collector(self, ranks, timeout).collect(payload)
-        except BaseException:
-            self._stop_ranks()  # unknown state: start clean on the next run
-            raise
+        with self._lock:  # one call at a time: a call from a thread waits its turn
+            if self._closed:
+                raise RuntimeError("this Cluster is closed; create a new one")
+            try:
+                self._ensure_running()
+                self._calls += 1
+                return Collector(self, ranks, timeout).collect(payload)
+            except BaseException:
+                self._stop_ranks()  # unknown state: start clean on the next run
+                raise
 
     def restart(self) -> None:
         """Stop the ranks and start them again."""

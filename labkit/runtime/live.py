@@ -43,17 +43,29 @@ def live_frontend() -> bool:
 
 
 def display_publisher():
-    """publish(bundle, final) -> shows or updates one display in the current cell."""
+    """publish(bundle, final) -> shows, then updates, one display in the cell that
+    is running now, even if another cell runs by the time it is drawn (a call
+    from a thread)."""
+    from IPython import get_ipython
     from IPython.display import display
 
+    ip = get_ipython()
+    pub = getattr(ip, "display_pub", None)
+    parent = ip.kernel.get_parent("shell")
     handle = None
 
     def publish(bundle: dict, final: bool = False) -> None:
         nonlocal handle
-        if handle is None:
-            handle = display(bundle, raw=True, display_id=True)
-        else:
-            handle.update(bundle, raw=True)
+        token = pub.set_thread_parent(parent) if hasattr(pub, "set_thread_parent") \
+            else None
+        try:
+            if handle is None:
+                handle = display(bundle, raw=True, display_id=True)
+            else:
+                handle.update(bundle, raw=True)
+        finally:
+            if token is not None:
+                pub.reset_thread_parent(token)
 
     return publish
 

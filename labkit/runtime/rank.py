@@ -194,6 +194,13 @@ def _collective_in(frame) -> str | None:
         return None
     nbytes = sum(_nbytes(frame.f_locals.get(name)) for name in _PAYLOAD_NAMES)
     size = f" of {human_bytes(nbytes)}" if nbytes else ""
+    try:
+        import torch.distributed as dist
+
+        n = dist.get_world_size(frame.f_locals.get("group"))
+        size += f" (group of {n})"
+    except Exception:  # noqa: BLE001  (a description, never a failure)
+        pass
     return f"{frame.f_code.co_name}{size}"
 
 
