@@ -77,7 +77,7 @@ def sweep(cluster, ops=SWEEP_OPS, sizes=None, *, progress: bool = True,
     """Time each op at each size on `cluster`'s ranks; one BwPoint per (op, size)."""
     sizes = sizes or [4**k * 1024 for k in range(9)]  # 1 KiB .. 64 MiB
     jobs = [(op, s) for op in ops for s in sizes]
-    bar = _progress(len(jobs), progress)
+    bar = _progress_bar(len(jobs), progress)
     n = cluster.world_size
     points = []
     try:
@@ -94,7 +94,7 @@ def sweep(cluster, ops=SWEEP_OPS, sizes=None, *, progress: bool = True,
     return points
 
 
-def _progress(total: int, enabled: bool):
+def _progress_bar(total: int, enabled: bool):
     if enabled:
         try:
             from tqdm.auto import tqdm
