@@ -1,22 +1,68 @@
-"""labkit.bandwidth: algbw and busbw as nccl-tests defines them (no timing asserts)."""
+"""labkit.comm.bandwidth: algbw and busbw as nccl-tests defines them.
+
+nccl-tests doc/PERFORMANCE.md: algbw = S / t; busbw = algbw * 2(n-1)/n for
+all-reduce, * (n-1)/n for all-gather, reduce-scatter and all-to-all, * 1 for
+broadcast. The numbers below are worked by hand for n = 4 ranks.
+"""
 
 import pytest
 
 from labkit.comm.bandwidth import sweep
-from labkit.theory import bus_factor
 
 
-def test_sweep_points_follow_the_nccl_tests_definitions(cluster):
+class FixedTimes:
+    """A stand-in cluster whose ranks report fixed (seconds per call, iters)."""
+
+    world_size = 4
+
+    def __init__(self, per_rank):
+        self.per_rank, self.calls = per_rank, []
+
+    def run(self, fn, op, size, **kw):
+        self.calls.append((op, size))
+        return self.per_rank
+
+
+def test_algbw_and_busbw_worked_by_hand():
+    # 1 MiB in 4 ms (the slowest rank; the others were faster): algbw = 2**20 / 0.004
+    # = 262_144_000 B/s; all-reduce busbw 1.5x that, all-gather 0.75x, broadcast 1x
+    fake = FixedTimes([(0.002, 10), (0.004, 10), (0.001, 10), (0.003, 10)])
+    ops = ("all_reduce", "ring_all_reduce", "all_gather", "reduce_scatter",
+           "all_to_all", "broadcast")
+    pts = sweep(fake, ops, sizes=[1 << 20], progress=False)
+    assert fake.calls == [(op, 1 << 20) for op in ops]
+    assert {p.size for p in pts} == {1_048_576}
+    assert {p.seconds for p in pts} == {0.004} and {p.iters for p in pts} == {10}
+    assert [p.algbw for p in pts] == pytest.approx([262_144_000] * 6)
+    assert {p.op: p.busbw for p in pts} == {
+        "all_reduce": pytest.approx(393_216_000),
+        "ring_all_reduce": pytest.approx(393_216_000),
+        "all_gather": pytest.approx(196_608_000),
+        "reduce_scatter": pytest.approx(196_608_000),
+        "all_to_all": pytest.approx(196_608_000),
+        "broadcast": pytest.approx(262_144_000),
+    }
+
+
+def test_size_is_whole_float32_elements_per_rank():
+    # S counts the array actually moved: 1000 B is 250 floats, cut to 248 so 4 ranks
+    # get 62 each -> 992 B; 8 B is less than one float per rank -> 4 floats, 16 B
+    fake = FixedTimes([(0.5, 1)] * 4)
+    pts = sweep(fake, ("all_reduce",), sizes=[1000, 8], progress=False)
+    assert [(p.size, p.algbw) for p in pts] == [(992, 1984.0), (16, 32.0)]
+
+
+def test_sweep_on_real_ranks(cluster):
     ops = ("all_reduce", "all_gather", "ring_all_reduce")
     pts = sweep(cluster, ops, sizes=[1024, 65536], progress=False, min_seconds=0.01,
                 max_iters=3)
     assert [(p.op, p.size) for p in pts] == [(op, s) for op in ops
                                              for s in (1024, 65536)]
+    factor = {"all_reduce": 1.5, "ring_all_reduce": 1.5, "all_gather": 0.75}
     for p in pts:
         assert p.seconds > 0 and 1 <= p.iters <= 3
-        assert p.algbw == pytest.approx(p.size / p.seconds)
-        base = "all_reduce" if p.op == "ring_all_reduce" else p.op
-        assert p.busbw == pytest.approx(p.algbw * bus_factor(base, 4))
+        assert p.algbw * p.seconds == pytest.approx(p.size)
+        assert p.busbw / p.algbw == pytest.approx(factor[p.op])
 
 
 def test_unknown_op_is_reported(cluster):

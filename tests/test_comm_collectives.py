@@ -1,10 +1,16 @@
-"""labkit.collectives: the definitions, the ring simulation, and the real ring."""
+"""labkit.comm.collectives: the definitions, the ring simulation, the real ring."""
 
 import pytest
 import torch
 
-from labkit.comm.collectives import (OPS, course_example, ring_all_reduce, ring_steps,
-                                simulate)
+from labkit import theory
+from labkit.comm.collectives import (
+    OPS,
+    course_example,
+    ring_all_reduce,
+    ring_steps,
+    simulate,
+)
 
 
 def test_course_example_numbers():
@@ -16,15 +22,40 @@ def test_course_example_numbers():
     assert simulate("all_gather", rs) == [[6, 10, 14, 18]] * 4
 
 
-def test_every_definition_on_a_small_case():
-    ex = course_example(2)  # [[0, 1], [1, 2]]
-    assert simulate("broadcast", ex, root=1) == [[1, 2], [1, 2]]
-    assert simulate("reduce", ex, root=1) == [None, [1, 3]]
-    assert simulate("scatter", ex) == [[0], [1]]
-    assert simulate("gather", ex) == [[0, 1, 1, 2], None]
-    assert simulate("all_to_all", ex) == [[0, 1], [1, 2]]
-    assert simulate("all_to_all", [[1, 2, 3, 4], [5, 6, 7, 8]]) == [[1, 2, 5, 6],
-                                                                     [3, 4, 7, 8]]
+# One example per collective, worked by hand on 2 ranks: op -> (inputs, root, after)
+BY_HAND = {
+    "broadcast": ([[0, 1], [1, 2]], 1, [[1, 2], [1, 2]]),
+    "reduce": ([[0, 1], [1, 2]], 1, [None, [1, 3]]),
+    "all_reduce": ([[0, 1], [1, 2]], 0, [[1, 3], [1, 3]]),
+    "all_gather": ([[5], [7]], 0, [[5, 7], [5, 7]]),  # rank r holds its shard
+    "reduce_scatter": ([[0, 1], [1, 2]], 0, [[1], [3]]),
+    "scatter": ([[0, 1], [1, 2]], 1, [[1], [2]]),  # root's array, chunk r to r
+    "gather": ([[0, 1], [1, 2]], 0, [[0, 1, 1, 2], None]),
+    "all_to_all": ([[1, 2, 3, 4], [5, 6, 7, 8]], 0, [[1, 2, 5, 6], [3, 4, 7, 8]]),
+}
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_every_collective_against_a_hand_worked_example(op):
+    assert op in BY_HAND, f"{op} is in OPS but has no hand-worked example here"
+    data, root, after = BY_HAND[op]
+    assert simulate(op, data, root=root) == after
+
+
+def test_ops_are_what_simulate_accepts_and_the_cost_model_knows():
+    # every hand-worked collective is in OPS (and so simulated and drawn) ...
+    assert sorted(BY_HAND) == sorted(OPS)
+    # ... and has a bus factor and latency steps in labkit.theory
+    assert sorted(OPS) == sorted(theory.COLLECTIVES)
+    for op in ("allreduce", "send", "ring_all_reduce"):
+        with pytest.raises(ValueError, match="unknown collective"):
+            simulate(op, course_example(2))
+
+
+def test_all_to_all_is_its_own_inverse():
+    # transposing the n x n grid of chunks twice gives back what each rank held
+    ex = course_example(4)
+    assert simulate("all_to_all", simulate("all_to_all", ex)) == ex
 
 
 def test_bad_input():
@@ -92,7 +123,3 @@ def test_ring_all_reduce_on_a_subgroup(cluster):
     assert res[1] == res[3] == [4.0] * 6
     assert res[0] is None
 
-
-def test_ops_list_is_complete():
-    assert set(OPS) == {"broadcast", "reduce", "all_reduce", "all_gather",
-                        "reduce_scatter", "scatter", "gather", "all_to_all"}

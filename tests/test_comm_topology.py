@@ -1,4 +1,4 @@
-"""labkit.topology: routes, hops and link loads against hand-derived numbers."""
+"""labkit.comm.topology: routes, hops and link loads against hand-derived numbers."""
 
 import pytest
 

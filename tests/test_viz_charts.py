@@ -1,4 +1,5 @@
-"""Charts: check the data each figure draws, not pixels."""
+"""labkit.viz charts (ledger_charts, tables, theory_charts): the data each figure
+draws, not pixels."""
 
 import matplotlib
 import pytest

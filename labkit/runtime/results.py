@@ -195,7 +195,21 @@ def describe_live(status: Status) -> str:
     if user:
         filename, lineno, name = user[-1]
         where = "your cell" if _is_cell(filename) else os.path.basename(filename)
-        src = linecache.getline(filename, lineno).strip()
+        src = _code_only(linecache.getline(filename, lineno))
         parts.append(f"line {lineno} of {where}" + (f": {src}" if src else ""))
     parts.append(f"{status.seconds:.1f} s")
     return ", ".join(parts) if len(parts) > 1 else f"running, {parts[0]}"
+
+
+def _code_only(line: str) -> str:
+    """A source line without its trailing comment (status lines stay short)."""
+    import io
+    import tokenize
+
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(line.strip()).readline):
+            if tok.type == tokenize.COMMENT:
+                return line.strip()[:tok.start[1]].rstrip()
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        pass
+    return line.strip()

@@ -181,7 +181,7 @@ def test_rank_killed_while_idle_is_restarted(capsys):
     with labkit.Cluster(2) as c:
         old = c.pids
         os.kill(old[0], signal.SIGKILL)
-        assert not wait_gone([old[0]], 2.0, until_reaped=True)  # the forkserver reaps it
+        assert not wait_gone([old[0]], 2.0, until_reaped=True)  # reaped
         assert c.run(_rank_and_size).values == [(0, 2), (1, 2)]
         assert "rank 0 killed by SIGKILL" in capsys.readouterr().err
         assert set(c.pids.values()).isdisjoint(old.values())

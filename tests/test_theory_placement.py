@@ -1,0 +1,86 @@
+"""labkit.theory.placement: the named placements against the ZeRO paper's and the
+placement-semantics abstract's figures; the correctness conditions."""
+
+import pytest
+
+from labkit import theory
+
+# ZeRO paper (Rajbhandari et al. 2020), fig. 1 and sec. 7: Ψ = 7.5B, N = 64, K = 12.
+# GB of model state per device, and traffic in units of Ψ (2-byte elements, times
+# the ring's 63/64): DP and ZeRO-1/2 2Ψ, ZeRO-3 3Ψ. FSDP is ZeRO-3 by another name.
+PUBLISHED = {"DP": (120.0, 2), "ZeRO-1": (31.4, 2), "ZeRO-2": (16.6, 2),
+             "ZeRO-3": (1.9, 3), "FSDP": (1.9, 3)}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_named_placements_reproduce_the_zero_paper(name):
+    gb, psis = PUBLISHED[name]
+    p = theory.PLACEMENTS[name]
+    cost = p.cost(7.5e9, 64)
+    assert round(cost.persistent_total / 1e9, 1) == gb
+    assert cost.traffic_total == pytest.approx(psis * 7.5e9 * 63 / 64 * 2)
+    assert cost.pcie == 0 and p.check().ok
+
+
+@pytest.mark.parametrize("name", ["ZeRO-3", "FSDP"])
+def test_placement_paper_abstract_figures(name):
+    # Mehta 2026, abstract: "ZeRO-3 uses 8x less memory than data parallelism at
+    # 1.5x communication cost" (N = 8 here)
+    dp = theory.PLACEMENTS["DP"].cost(1e9, 8)
+    z3 = theory.PLACEMENTS[name].cost(1e9, 8)
+    assert dp.persistent_total / z3.persistent_total == pytest.approx(8)
+    assert z3.traffic_total / dp.traffic_total == pytest.approx(1.5)
+
+
+def test_seventy_billion_parameters_need_1120_gb():
+    # Mehta 2026, intro: a 70B model needs ~1120 GB of model state (16 bytes each)
+    assert theory.PLACEMENTS["DP"].cost(70e9, 1).persistent_total == 1120e9
+
+
+@pytest.mark.parametrize("name, grad, param", [
+    ("DP", "all_reduce", None),
+    ("ZeRO-1", "reduce_scatter", "all_gather"),  # shard updated, then gathered
+    ("ZeRO-2", "reduce_scatter", "all_gather"),
+    ("ZeRO-3", "reduce_scatter", None),  # gathered layer by layer instead
+    ("FSDP", "reduce_scatter", None),
+    ("ZeRO-Offload", "reduce_scatter", "all_gather"),
+])
+def test_resolved_syncs_follow_from_the_modes(name, grad, param):
+    p = theory.PLACEMENTS[name]
+    assert (p.resolved_grad_sync(), p.resolved_param_sync()) == (grad, param)
+
+
+def test_explicit_syncs_override_the_modes():
+    p = theory.Placement("Replicated", "Sharded", "Sharded", "Replicated",
+                         grad_sync=None, param_sync=None)
+    assert (p.resolved_grad_sync(), p.resolved_param_sync()) == (None, None)
+    # DP with a reduce-scatter: each replica would step on a shard's gradient only
+    odd = theory.Placement(grad_sync="reduce_scatter")
+    assert odd.resolved_grad_sync() == "reduce_scatter"
+    assert set(odd.cost(1e9, 4).traffic) == {"reduce_scatter (gradients)"}
+
+
+def test_peak_includes_gathered_layers_and_activations():
+    z3 = theory.PLACEMENTS["ZeRO-3"].cost(1e9, 8, activations=1e9,
+                                          gather_fraction=1 / 10)
+    assert z3.persistent["A"] == 0 and z3.peak["A"] == 1e9
+    assert z3.peak["P"] == pytest.approx(2e9 / 8 + 0.1 * 2e9 * 7 / 8)
+
+
+def test_correctness_conditions_explain_what_breaks():
+    no_rs = theory.Placement("Replicated", "Sharded", "Sharded", "Replicated",
+                             grad_sync=None)
+    v = no_rs.check()
+    assert not v.ok and "gradient integrity" in str(v) and "sharded gradients" in str(v)
+    drift = theory.Placement("Replicated", "Sharded", "Replicated", "Replicated",
+                             param_sync=None)
+    assert "state consistency" in str(drift.check())
+    mixed = theory.Placement("Replicated", "Replicated", "Sharded", "Replicated")
+    assert "replicas update with different gradients" in str(mixed.check())
+    assert "tensor parallelism" in str(theory.Placement(P="Sharded").check())
+    with pytest.raises(ValueError, match="P must be one of"):
+        theory.Placement(P="Everywhere")
+    with pytest.raises(ValueError, match="grad_sync"):
+        theory.Placement(grad_sync="broadcast")
+    with pytest.raises(ValueError, match="gather_fraction"):
+        theory.PLACEMENTS["DP"].cost(1e9, 8, gather_fraction=0)
