@@ -11,7 +11,7 @@ import torch
 
 import labkit
 from labkit import CollectiveTimeout, RankError
-from labkit.runtime.backend import gpu_count
+from labkit.runtime.backend import gpu_count, resolve_backend
 from labkit.runtime.forkserver import shared as forkserver
 from tests.conftest import alive, descendants_of, wait_gone
 
@@ -268,13 +268,25 @@ def test_close_and_context_manager_end_every_rank():
     c.close()  # twice is fine
 
 
-def test_backend_choice():
-    with labkit.Cluster(1) as c:
-        assert c.backend == ("nccl" if gpu_count() >= 1 else "gloo")
-        assert c.run(_rank_and_size).values == [(0, 1)]
+@pytest.mark.parametrize("backend, world_size, gpus, chosen", [
+    ("auto", 4, 0, "gloo"), ("auto", 4, 2, "gloo"),  # fewer GPUs than ranks: CPU
+    ("auto", 4, 4, "nccl"), ("auto", 2, 8, "nccl"), ("gloo", 4, 8, "gloo"),
+    ("nccl", 2, 2, "nccl"),
+])
+def test_backend_choice(backend, world_size, gpus, chosen):
+    assert resolve_backend(backend, world_size, gpus=gpus) == chosen
+
+
+def test_backend_errors_and_the_cpu_default():
+    with pytest.raises(ValueError, match="one GPU per rank: world_size=4 but 2"):
+        resolve_backend("nccl", 4, gpus=2)
     with pytest.raises(ValueError, match="backend"):
         labkit.Cluster(2, backend="mpi")
-    assert not torch.cuda.is_initialized()
+    if gpu_count() == 0:
+        with labkit.Cluster(1) as c:
+            assert c.backend == "gloo"
+            assert c.run(_rank_and_size).values == [(0, 1)]
+    assert not torch.cuda.is_initialized()  # the kernel never touches CUDA
 
 
 @pytest.mark.skipif(gpu_count() >= 2, reason="needs a machine with fewer than 2 GPUs")
