@@ -1,6 +1,6 @@
-"""Length-prefixed messages over a stream socket (kernel <-> zygote <-> ranks).
+"""Length-prefixed messages over a stream socket (kernel <-> forkserver <-> ranks).
 
-Standard library only: the zygote imports this before torch.
+Standard library only: the forkserver imports this before torch.
 """
 
 from __future__ import annotations
