@@ -165,9 +165,13 @@ def test_traffic_needs_a_process_group_and_refuses_nesting(cluster):
                 with traffic():
                     pass
             except RuntimeError as e:
-                return str(e)
+                msg = str(e)
+        with traffic() as again:  # the guard is released on exit
+            pass
+        return msg, again.rank
 
-    assert all("nested" in msg for msg in cluster.run(nested))
+    for rank, (msg, again) in enumerate(cluster.run(nested)):
+        assert "nested" in msg and again == rank
 
 
 def _hooks_after(rank, world_size):

@@ -1,11 +1,16 @@
-"""What a rank holds and sends: the memory and traffic ledgers.
+"""Layer 2, measurement: what a rank holds and sends, the memory and traffic ledgers.
+
+Imports torch, labkit.runtime (to tell a status request which collective a rank
+is in), labkit.conventions and labkit.units; nothing above it.
 
 `traffic()` records every collective a rank makes; `memory(...)` tracks the bytes a
-process holds by category; `holdings(...)` counts what a model and optimizer hold.
+process holds by category (`steps`: one entry per optimizer step); `holdings(...)`
+counts what a model and optimizer hold. Both count a DTensor by its local shard.
 """
 
-from labkit.ledger.memory import CATEGORIES, Holdings, MemoryLedger, holdings, memory
+from labkit.ledger.holdings import Holdings, holdings
+from labkit.ledger.memory import CATEGORIES, MemoryLedger, Step, memory
 from labkit.ledger.traffic import Record, TrafficLedger, summarize, total, traffic
 
-__all__ = ["CATEGORIES", "Holdings", "MemoryLedger", "Record", "TrafficLedger",
-           "holdings", "memory", "summarize", "total", "traffic"]
+__all__ = ["CATEGORIES", "Holdings", "MemoryLedger", "Record", "Step",
+           "TrafficLedger", "holdings", "memory", "summarize", "total", "traffic"]

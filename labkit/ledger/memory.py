@@ -1,25 +1,32 @@
 """Memory ledger: bytes a rank holds, by category, current and peak.
 
     with labkit.ledger.memory(model, optimizer) as m:
-        loss = model(x).sum(); loss.backward(); optimizer.step()
-    m.current["Optstate"], m.peak["Activation"], m.at_peak
+        for x in batches:
+            model(x).sum().backward(); optimizer.step(); optimizer.zero_grad()
+    m.current["Optstate"], m.peak["Activation"], m.at_peak, m.steps[0].peak
 
 Built on PyTorch's own MemTracker (torch.distributed._tools.mem_tracker, tested with
 torch 2.13), which sees every tensor storage created inside the block through a
 TorchDispatchMode, and uses its categories: Parameter, Buffer, Gradient,
-Activation, Temp, Optstate (and Other). Two refinements on top of it:
+Activation, Temp, Optstate (and Other). Refinements on top of it:
 
 - tensors created inside `optimizer.step()` count as Temp unless they survive the
   step; survivors become Optstate (Adam's m and v) or Gradient (a `.grad` that
   stays). The peaks inside the step are recomputed with those final categories.
 - parameters the optimizer owns that are not the model's (fp32 master weights in
   mixed precision) count as Optstate, as in the ZeRO paper's K = 12 bytes/param.
+- any number of training steps fit in one block. `steps` has a `Step` per
+  outermost `optimizer.step()`, from the end of the previous one (or the start)
+  to its end; what follows the last one is in `current` and `peak`, no step.
+- a DTensor (FSDP2, tensor parallelism) counts as the local shard this rank holds
+  (`local_shards` says so), padding included where FSDP2 pads uneven shards.
+- a `.grad` assigned by hand (a hand-made all-reduce) counts as Gradient from the
+  next `optimizer.step()` or the end of the block (before: as it was created).
 """
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.optim.optimizer import (
@@ -27,60 +34,28 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from labkit.ledger.phases import current_phase
+from labkit.ledger.common import Ledger, current_phase
+from labkit.ledger.holdings import Holdings, has_dtensor, holdings, storages
+
+__all__ = ["CATEGORIES", "Holdings", "MemoryLedger", "Step", "holdings", "memory"]
 
 CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp",
               "Other")
 TESTED_TORCH = ("2.13",)
 
-_ACTIVE: MemoryLedger | None = None
-
 
 @dataclass(frozen=True)
-class Holdings:
-    """Bytes an object graph holds right now (each storage counted once)."""
+class Step:
+    """One training step: from the end of the previous `optimizer.step()` (or the
+    start of the block) to the end of this one. Bytes by category."""
 
-    parameters: int = 0
-    buffers: int = 0
-    gradients: int = 0
-    optimizer_state: int = 0  # m, v, momentum ... and master weights it owns
+    peak: dict[str, int] = field(default_factory=dict)  # each category's maximum
+    at_peak: dict[str, int] = field(default_factory=dict)  # when the total peaked
+    current: dict[str, int] = field(default_factory=dict)  # as optimizer.step() ends
 
     @property
-    def total(self) -> int:
-        return self.parameters + self.buffers + self.gradients + self.optimizer_state
-
-
-def _storage_bytes(tensors, seen: set) -> int:
-    n = 0
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        st = t.untyped_storage()
-        key = (st.data_ptr(), st.device)
-        if key not in seen:
-            seen.add(key)
-            n += st.nbytes()
-    return n
-
-
-def holdings(module: torch.nn.Module | None = None,
-             optimizer: torch.optim.Optimizer | None = None) -> Holdings:
-    """Count what `module` and `optimizer` hold, without tracking anything."""
-    seen: set = set()
-    params = list(module.parameters()) if module is not None else []
-    p = _storage_bytes(params, seen)
-    b = _storage_bytes(module.buffers(), seen) if module is not None else 0
-    opt_params = []
-    if optimizer is not None:
-        opt_params = [q for g in optimizer.param_groups for q in g["params"]]
-    g = _storage_bytes([q.grad for q in [*params, *opt_params] if q.grad is not None],
-                       seen)
-    o = 0
-    if optimizer is not None:
-        o = _storage_bytes(opt_params, seen)  # master weights (model params: seen)
-        o += _storage_bytes(
-            [v for state in optimizer.state.values() for v in state.values()], seen)
-    return Holdings(p, b, g, o)
+    def peak_total(self) -> int:
+        return sum(self.at_peak.values())
 
 
 def _tracker_class():
@@ -89,7 +64,11 @@ def _tracker_class():
     global _TRACKER
     if _TRACKER is not None:
         return _TRACKER
-    from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
+    from torch.distributed._tools.mem_tracker import (
+        MemTracker,
+        _MemRefType,
+        _UpdateType,
+    )
 
     class _Tracker(MemTracker):
         def __init__(self, ledger: MemoryLedger):
@@ -109,15 +88,22 @@ def _tracker_class():
             elif u_type == _UpdateType.SIZE:
                 led._change(winfo, {winfo.reftype: mem - old_mem_consumed})
 
-        def retag(self, winfo, category: str) -> None:
-            from torch.distributed._tools.mem_tracker import _MemRefType
+        def _pre_fw_hook(self, module, inputs) -> None:
+            # A root module's next forward (the next step or micro-batch):
+            # MemTracker refuses it unless its per-module stats, which the ledger
+            # does not use, are reset first.
+            mt = self._mod_tracker
+            others = set(mt.parents) - {mt.get_known_fqn(module)}
+            if module in self.memory_tracking and not mt.is_bw and others == {
+                    "Global"}:
+                self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
 
+        def retag(self, winfo, category: str) -> None:
             old, winfo.reftype = winfo.reftype, _MemRefType(category)
             self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
 
         def track_as(self, t: torch.Tensor, category: str) -> None:
-            from torch.distributed._tools.mem_tracker import _MemRefType
-
             self._update_and_maybe_create_winfos(t, _MemRefType(category))
 
     _TRACKER = _Tracker
@@ -127,18 +113,25 @@ def _tracker_class():
 _TRACKER = None
 
 
-class MemoryLedger:
+class MemoryLedger(Ledger):
     """Bytes by category: `current`, `peak` (each category's own maximum),
-    `at_peak` (the breakdown when the total peaked) and `phase_peaks`."""
+    `at_peak` (the breakdown when the total peaked), `phase_peaks` and `steps`
+    (one `Step` per outermost `optimizer.step()`)."""
+
+    kind = "memory"
+    fields = ("current", "peak", "at_peak", "phase_peaks", "steps", "local_shards",
+              "cuda_peak")  # what pickles
 
     def __init__(self, *tracked):
+        super().__init__()
         self._tracked = [t for t in tracked if t is not None]
         self.current: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.at_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.phase_peaks: dict[str, dict[str, int]] = {}
+        self.steps: list[Step] = []
+        self.local_shards = False  # DTensors were met: counted by local shard
         self.cuda_peak: int | None = None  # the CUDA allocator's own peak, on GPUs
-        self._phases: list[str] = []
         self._tracker = None
         self._handles: list = []
         self._step_depth = 0
@@ -146,18 +139,10 @@ class MemoryLedger:
         self._step_new: set = set()
         self._step_gone: set = set()
         self._step_start: dict[str, int] = {}
+        self._step_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self._step_at_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
 
     # -- public -----------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        """Label what happens inside this block (its peak lands in phase_peaks)."""
-        self._phases.append(str(name))
-        self._observe(self.current, self._phases[-1])  # a phase that allocates nothing
-        try:
-            yield self
-        finally:
-            self._phases.pop()
 
     @property
     def total(self) -> int:
@@ -167,28 +152,18 @@ class MemoryLedger:
     def peak_total(self) -> int:
         return sum(self.at_peak.values())
 
-    def __getstate__(self):
-        return {k: getattr(self, k) for k in
-                ("current", "peak", "at_peak", "phase_peaks", "cuda_peak")}
-
-    def __setstate__(self, state):
-        self.__init__()
-        self.__dict__.update(state)
-
     def __repr__(self) -> str:
         cur = ", ".join(f"{k}={v}" for k, v in self.current.items() if v)
+        note = "; DTensors by local shard" if self.local_shards else ""
         return (f"MemoryLedger(current: {cur or 'nothing'}; "
-                f"peak total={self.peak_total})")
+                f"peak total={self.peak_total}; {len(self.steps)} steps{note})")
 
     # -- context ----------------------------------------------------------------
 
     def __enter__(self):
-        global _ACTIVE
-        if _ACTIVE is not None:
-            raise RuntimeError("a memory ledger is already recording in this process; "
-                               "nested memory ledgers are not supported")
-        _ACTIVE = self
+        self._claim()
         try:
+            self.local_shards = has_dtensor(*self._tracked)
             self._tracker = _tracker_class()(self)
             self._tracker.track_external(*self._tracked)
             for opt in self._tracked:
@@ -200,26 +175,28 @@ class MemoryLedger:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.reset_peak_memory_stats()
         except BaseException:
-            _ACTIVE = None
             self._remove_hooks()
             raise
         return self
 
     def __exit__(self, *exc):
-        global _ACTIVE
         try:
-            self._tracker.__exit__(*exc)
+            self._tag_grads(self._tracked)
+            self.local_shards |= has_dtensor(*self._tracked)
         finally:
-            self._remove_hooks()
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                self.cuda_peak = torch.cuda.max_memory_allocated()
-            _ACTIVE = None
+            try:
+                self._tracker.__exit__(*exc)
+            finally:
+                self._remove_hooks()
+                if torch.cuda.is_available() and torch.cuda.is_initialized():
+                    self.cuda_peak = torch.cuda.max_memory_allocated()
         return False
 
     def _remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._release()
 
     def _track_master_weights(self, opt: torch.optim.Optimizer) -> None:
         model_params = {id(p) for m in self._tracked if isinstance(m, torch.nn.Module)
@@ -231,12 +208,29 @@ class MemoryLedger:
                     if p.grad is not None:
                         self._tracker.track_as(p.grad, "Gradient")
 
+    def _tag_grads(self, objs) -> None:
+        """Every `.grad` a tracked model or optimizer holds is a Gradient, also
+        one assigned by hand, which MemTracker's autograd hooks do not see."""
+        for o in objs:
+            if isinstance(o, torch.nn.Module):
+                params = o.parameters()
+            elif isinstance(o, torch.optim.Optimizer):
+                params = (p for g in o.param_groups for p in g["params"])
+            else:
+                continue
+            for p in params:
+                if p.grad is not None:
+                    self._tracker.track_as(p.grad, "Gradient")
+
     # -- bookkeeping --------------------------------------------------------------
 
     def _phase(self) -> str:
         in_forward = (self._tracker is not None
                       and len(self._tracker._mod_tracker.parents) > 1)
         return current_phase(self._phases, bool(self._step_depth), in_forward)
+
+    def _phase_entered(self) -> None:
+        self._observe(self.current, self._phases[-1])  # a phase allocating nothing
 
     def _change(self, winfo, deltas: dict, new: bool = False, gone: bool = False):
         deltas = {str(k.value if hasattr(k, "value") else k): v for k, v in
@@ -263,23 +257,28 @@ class MemoryLedger:
             snap[k] = snap.get(k, 0) + v
 
     def _observe(self, snap: dict, phase: str) -> None:
-        for k, v in snap.items():
-            if v > self.peak.get(k, 0):
-                self.peak[k] = v
+        """Raise the block's and this step's peaks to `snap` where it is higher."""
         total = sum(snap.values())
+        for peak in (self.peak, self._step_peak):
+            for k, v in snap.items():
+                if v > peak.get(k, 0):
+                    peak[k] = v
         if total > sum(self.at_peak.values()):
             self.at_peak = dict(snap)
+        if total > sum(self._step_at_peak.values()):
+            self._step_at_peak = dict(snap)
         best = self.phase_peaks.get(phase)
         if best is None or total > sum(best.values()):
             self.phase_peaks[phase] = dict(snap)
 
     def _step_pre(self, opt, args, kwargs) -> None:
-        if self._step_depth == 0:
+        self._step_depth += 1
+        if self._step_depth == 1:
             self._step_start = dict(self.current)
+            self._step_log, self._step_new, self._step_gone = [], set(), set()
             if not self._phases:
                 self._observe(self.current, "optimizer")
-            self._step_log, self._step_new, self._step_gone = [], set(), set()
-        self._step_depth += 1
+            self._tag_grads([opt])
 
     def _step_post(self, opt, args, kwargs) -> None:
         self._step_depth -= 1
@@ -299,11 +298,14 @@ class MemoryLedger:
         # a survivor that is some parameter's .grad (a kept fp32 master grad) is a
         # Gradient, not optimizer state
         params = [p for g in opt.param_groups for p in g["params"]]
-        grad_ptrs = {p.grad.untyped_storage().data_ptr() for p in params
-                     if p.grad is not None}
+        grad_ptrs = {st.data_ptr() for p in params if p.grad is not None
+                     for st in storages(p.grad)}
         for st, (winfo, _) in list(self._tracker._WINFO.items()):
             if winfo in survivors and st.data_ptr() in grad_ptrs:
                 self._tracker.retag(winfo, "Gradient")
+        self.steps.append(Step(dict(self._step_peak), dict(self._step_at_peak),
+                               dict(self.current)))
+        self._step_peak, self._step_at_peak = dict(self.current), dict(self.current)
 
 
 def memory(*tracked) -> MemoryLedger:

@@ -17,7 +17,6 @@ posted yet): their bytes are in `written`, every byte the rank wrote in the bloc
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -26,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from labkit.runtime import rank as worker
+from labkit.runtime.rank import STATE as RANK_STATE
 from labkit.conventions import BUS_FACTOR
-from labkit.ledger.phases import current_phase
+from labkit.ledger.common import Ledger, current_phase
 from labkit.units import human_bytes as human
 
 FIELDS = ("payload_bytes", "bus_bytes", "wire_bytes", "seconds", "elements")
@@ -149,11 +148,11 @@ def _wchar() -> int:
     return -1
 
 
-_ACTIVE: TrafficLedger | None = None
-
-
-class TrafficLedger(TorchDispatchMode):
+class TrafficLedger(Ledger, TorchDispatchMode):
     """Records every collective made inside it; see `traffic()`."""
+
+    kind = "traffic"
+    fields = ("records", "rank", "start", "stop", "written")  # what pickles
 
     def __init__(self, modules: dict[str, torch.nn.Module] | None = None):
         super().__init__()
@@ -161,7 +160,6 @@ class TrafficLedger(TorchDispatchMode):
         self.rank = -1
         self.start = self.stop = 0.0  # perf_counter at enter and exit
         self.written: int | None = None  # all bytes written inside the block
-        self._phases: list[str] = []
         self._names = {id(m): name for name, m in (modules or {}).items()}
         self._module_stack: list[str] = []
         self._handles: list = []
@@ -170,15 +168,6 @@ class TrafficLedger(TorchDispatchMode):
         self._w0: int | None = None
 
     # -- phases and modules ----------------------------------------------------
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        """Label the calls made inside this block (overrides forward/backward/...)."""
-        self._phases.append(str(name))
-        try:
-            yield self
-        finally:
-            self._phases.pop()
 
     def _current_phase(self) -> str:
         return current_phase(self._phases, bool(self._in_optimizer),
@@ -211,35 +200,37 @@ class TrafficLedger(TorchDispatchMode):
     # -- the mode ----------------------------------------------------------------
 
     def __enter__(self):
-        global _ACTIVE
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "labkit.ledger.traffic() needs a torch.distributed process group: "
                 "use it inside a function you run on the ranks (cluster.run(fn))."
             )
-        if _ACTIVE is not None:
-            raise RuntimeError("a traffic ledger is already recording on this rank; "
-                               "nested traffic ledgers are not supported")
-        _ACTIVE = self
-        self.rank = dist.get_rank()
-        self._wire_ok = _io_path_ok()
-        self._install_hooks()
-        self._w0 = _wchar() if self._wire_ok else None
-        self.start = time.perf_counter()
-        return super().__enter__()
+        self._claim()
+        try:
+            self.rank = dist.get_rank()
+            self._wire_ok = _io_path_ok()
+            self._install_hooks()
+            self._w0 = _wchar() if self._wire_ok else None
+            self.start = time.perf_counter()
+            return super().__enter__()
+        except BaseException:
+            self._remove_hooks()
+            raise
 
     def __exit__(self, *exc):
-        global _ACTIVE
         try:
             return super().__exit__(*exc)
         finally:
             self.stop = time.perf_counter()
             if self._w0 is not None:
                 self.written = _wchar() - self._w0
-            for h in self._handles:
-                h.remove()
-            self._handles = []
-            _ACTIVE = None
+            self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._release()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -257,7 +248,7 @@ class TrafficLedger(TorchDispatchMode):
         # so they are not waited for here: their bytes count only in `written`
         p2p = op in ("send", "recv")
         wire = self._wire_ok and not p2p and not any(t.is_cuda for t in payload)
-        worker.STATE["activity"] = f"{op} of {human(nbytes)} (group of {n})"
+        RANK_STATE["activity"] = f"{op} of {human(nbytes)} (group of {n})"
         w0 = _wchar() if wire else 0
         t0 = time.perf_counter()
         try:
@@ -265,7 +256,7 @@ class TrafficLedger(TorchDispatchMode):
             if not p2p:
                 _wait(ns, res)
         finally:
-            worker.STATE["activity"] = None
+            RANK_STATE["activity"] = None
         t1 = time.perf_counter()
         w1 = _wchar() if wire else 0
         self.records.append(Record(
@@ -289,14 +280,6 @@ class TrafficLedger(TorchDispatchMode):
 
     def by_phase(self) -> dict[str, dict[str, float]]:
         return summarize(self.records, "phase")
-
-    def __getstate__(self):  # what travels back from a rank: the data, no hooks
-        return {"records": self.records, "rank": self.rank, "start": self.start,
-                "stop": self.stop, "written": self.written}
-
-    def __setstate__(self, state):
-        self.__init__()
-        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return (f"TrafficLedger(rank={self.rank}, {len(self.records)} calls, "

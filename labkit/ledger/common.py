@@ -1,0 +1,65 @@
+"""What both ledgers share: the phase rule, `phase()`, the one-ledger-per-kind
+guard and pickling (only the data travels back from a rank, never the hooks)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_ACTIVE: dict[str, Ledger] = {}  # kind ("memory", "traffic") -> the recording one
+
+
+def current_phase(explicit: list[str], in_optimizer: bool, in_forward: bool) -> str:
+    """A label set with `ledger.phase(...)` wins; then the optimizer step, the
+    backward pass (autograd is running a graph task), a module's forward, "other"."""
+    if explicit:
+        return explicit[-1]
+    if in_optimizer:
+        return "optimizer"
+    if torch._C._current_graph_task_id() != -1:
+        return "backward"
+    return "forward" if in_forward else "other"
+
+
+class Ledger:
+    """Base of both ledgers. Subclasses set `kind` and `fields` (what pickles)."""
+
+    kind = "ledger"
+    fields: tuple[str, ...] = ()
+
+    def __init__(self):
+        super().__init__()
+        self._phases: list[str] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Label what happens inside this block (overrides forward/backward/...)."""
+        self._phases.append(str(name))
+        self._phase_entered()
+        try:
+            yield self
+        finally:
+            self._phases.pop()
+
+    def _phase_entered(self) -> None:
+        """Called when a `phase()` block opens (the memory ledger observes there)."""
+
+    def _claim(self) -> None:
+        """One recording ledger of each kind per process: nesting is refused."""
+        if self.kind in _ACTIVE:
+            raise RuntimeError(
+                f"a {self.kind} ledger is already recording in this process; "
+                f"nested {self.kind} ledgers are not supported")
+        _ACTIVE[self.kind] = self
+
+    def _release(self) -> None:
+        if _ACTIVE.get(self.kind) is self:
+            del _ACTIVE[self.kind]
+
+    def __getstate__(self):
+        return {k: getattr(self, k) for k in self.fields}
+
+    def __setstate__(self, state):
+        self.__init__()
+        self.__dict__.update(state)
