@@ -5,10 +5,11 @@ multi-threaded kernel) in its own session; it imports torch once, so a cluster
 starts in a fraction of a second after the first. Ranks are its children: it reaps
 them and reports how each ended. It exits when the kernel does.
 
-Ranks forked later also want what the memory ledger imports (DTensor, ~2 s). The
-forkserver never imports that itself, since it could not fork while importing:
-once idle after serving a cluster, it forks a successor that imports it and then
-takes over the forking, while the first keeps serving until the successor is
+Ranks forked later also want what the memory ledger and a first optimizer step
+import (PRELOAD_WHEN_IDLE, ~3.5 s). The forkserver never imports that itself,
+since it could not fork while importing: once idle (1 s after serving a cluster,
+3 s if none came), it forks a successor that imports it and then takes over the
+forking, while the first keeps serving until the successor is
 ready (so a restart after a fault never waits for an import).
 
 `Forkserver` is the kernel's handle on it; `shared()` the one per kernel.
@@ -37,8 +38,12 @@ from labkit.runtime.messages import (
     Successor,
 )
 
-PRELOAD_WHEN_IDLE = ("labkit.ledger", "torch.distributed._tools.mem_tracker")
+# what ranks would otherwise import on first use: the memory ledger (DTensor, ~2 s)
+# and what a rank's first optimizer.step() imports (torch._dynamo, ~1.5 s)
+PRELOAD_WHEN_IDLE = ("labkit.ledger", "torch.distributed._tools.mem_tracker",
+                     "torch._dynamo")
 IDLE_BEFORE_PRELOAD = 1.0  # seconds idle after serving a cluster
+IDLE_UNSERVED = 3.0  # ... or after starting, when no cluster came (a student reads)
 
 
 # --------------------------------------------------------------- the process
@@ -67,7 +72,9 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], preload: tuple[str, ...]):
     wire.send(ctrl, ForkserverReady(os.getpid(), _preloaded()))
     served = False
     while True:
-        idle = IDLE_BEFORE_PRELOAD if served and preload else None
+        idle = None
+        if preload:
+            idle = IDLE_BEFORE_PRELOAD if served else IDLE_UNSERVED
         ready, _, _ = select.select([ctrl, wake_r, *gone], [], [], idle)
         if not ready:  # idle after serving a cluster: let a successor import more
             _start_successor(ctrl, gone, preload, close=(wake_r, wake_w))
@@ -234,10 +241,15 @@ class Forkserver:
         return msg
 
     def _drain(self, timeout: float) -> None:
-        """Take in whatever arrives within `timeout` seconds (0: only what's there)."""
-        ready = select.select(self._socks, [], [], timeout)[0] if self._socks else []
-        for sock in ready:
-            self._take(sock)
+        """Take in whatever arrives within `timeout` seconds (0: only what's there),
+        including what a successor announced in the same breath says."""
+        while self._socks:
+            ready = select.select(self._socks, [], [], timeout)[0]
+            if not ready:
+                return
+            for sock in ready:
+                self._take(sock)
+            timeout = 0
 
     def _died(self) -> str:
         self.log.seek(0)
@@ -248,6 +260,7 @@ class Forkserver:
     def spawn(self, specs, deadline: float) -> tuple[int, ...]:
         """Fork one rank per spec; their pids."""
         with self.lock:
+            self._drain(0)  # a successor that has said ready takes over now
             while self.sock not in self._ready:
                 if not self.alive():
                     raise RuntimeError(self._died())
