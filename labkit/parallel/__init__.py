@@ -1,10 +1,14 @@
 """Layer 3, parallel training techniques: one technique per file, each a wrapper
 or transform over a plain nn.Module, each checked against single-process training.
 
-May import theory, ledger and runtime. Today: precision (bf16 compute with fp32
+May import theory, ledger and runtime. data_parallel (naive, overlapped and
+bucketed all-reduce, and the parameter server), events (compute and communication
+spans, and how much of one hides the other), precision (bf16 compute with fp32
 master weights).
 """
 
+from labkit.parallel.data_parallel import DataParallel
+from labkit.parallel.events import Span, overlap_fraction
 from labkit.parallel.precision import MasterWeights
 
-__all__ = ["MasterWeights"]
+__all__ = ["DataParallel", "MasterWeights", "Span", "overlap_fraction"]

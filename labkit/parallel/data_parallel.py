@@ -1,0 +1,335 @@
+"""Data parallelism (数据并行): every rank holds the whole model, runs its share of
+the batch, and the ranks average their gradients before the optimizer step.
+
+`mode` picks how the gradients meet:
+- "overlap" (default; PyTorch DDP's design, Li et al. 2020, "PyTorch Distributed",
+  VLDB, section 3.2): a gradient's all-reduce starts, asynchronously, once backward
+  has produced it (with `bucket_mb`: once its whole bucket is ready), so
+  communication runs while backward computes the rest.
+- "naive": backward first; then one all-reduce per gradient (or per bucket).
+- "parameter_server" (Li et al. 2014, OSDI): every worker sends its gradients to
+  rank 0, the server, which averages them and steps, then sends the new weights
+  to each worker. A star: the server's link carries (N-1)x a worker's bytes.
+
+The loop, the same on every rank, each on its own shard of the batch:
+
+    dp = DataParallel(model)                # rank 0's weights on every rank
+    loss_fn(dp(x), y).backward()            # overlap: all-reduces start here
+    dp.finish_gradient_synchronization()    # wait and average
+    opt.step()
+
+In parameter_server mode the last line is `if rank == 0: opt.step()`, and every
+rank then calls `dp.broadcast_parameters()` (the server's weights to each worker).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_leaves
+
+from labkit.parallel.events import Span
+
+MODES = ("overlap", "naive", "parameter_server")
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # instances the optimizer hook checks
+_STEP_HOOK = None  # one global optimizer pre-step hook while any instance lives
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """Gradients sent together, and their collective while it is in flight."""
+
+    index: int
+    params: list
+    names: list
+    ready: int = 0  # gradients ready in this backward (overlap)
+    grads: list | None = None  # the gradients flattened into `flat`
+    flat: torch.Tensor | None = None  # what was sent (the grad itself if alone)
+    gathered: list | None = None  # the server's receive buffers (parameter_server)
+    work: object = None  # the async collective
+    done: object = None  # future of time.perf_counter() at completion
+    issued: float = 0.0
+
+
+class DataParallel(torch.nn.Module):
+    """Average gradients of `module` over the ranks of `group` (default: all).
+
+    Parameters and buffers are broadcast from rank 0 at construction; tied
+    weights are synced once, frozen ones never. bucket_mb: None sends one
+    collective per parameter; else parameters, in reverse registration order
+    (about the order backward produces them), fill buckets of about bucket_mb MiB.
+    broadcast_buffers: send rank 0's buffers at every forward, as DDP does.
+    `events` holds this step's compute and communication spans (see events.py).
+    """
+
+    def __init__(self, module: torch.nn.Module, bucket_mb: float | None = None,
+                 mode: str = "overlap", *, broadcast_buffers: bool = False,
+                 group: dist.ProcessGroup | None = None):
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        if bucket_mb is not None and not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0 MiB (or None: one collective "
+                             f"per parameter), got {bucket_mb!r}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "DataParallel needs a torch.distributed process group: build it "
+                "inside a function you run on the ranks (cluster.run(fn)).")
+        self.module, self.mode, self.bucket_mb = module, mode, bucket_mb
+        self.broadcast_buffers = broadcast_buffers
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        _check_devices(module, self.group)
+
+        unique: dict[int, tuple[str, torch.nn.Parameter]] = {}  # tied: synced once
+        for name, p in module.named_parameters(remove_duplicate=False):
+            unique.setdefault(id(p), (name, p))
+        with torch.no_grad():  # every rank starts from rank 0's state
+            for t in [p for _, p in unique.values()] + list(module.buffers()):
+                dist.broadcast(t, group=self.group, group_src=0)
+        trainable = [(n, p) for n, p in unique.values() if p.requires_grad]
+        self._ids = frozenset(id(p) for _, p in trainable)
+        cap = None if bucket_mb is None else bucket_mb * 2**20
+        self._buckets = _make_buckets(trainable[::-1], cap)
+
+        self._spans: list[Span] = []
+        self._pending = False  # backward made gradients not yet averaged
+        self._awaiting_weights = False  # parameter_server: step done, not sent
+        self._task = -1  # the autograd graph task of the backward now running
+        self._compute_start = 0.0
+        ref = weakref.ref(self)  # hooks must not keep this wrapper alive
+        handles = [p.register_post_accumulate_grad_hook(partial(_on_grad, ref, b))
+                   for b in self._buckets for p in b.params]
+        _track(self)
+        self._finalizer = weakref.finalize(self, _release, handles)
+
+    # -- public ------------------------------------------------------------------
+
+    @property
+    def buckets(self) -> list[list[str]]:
+        """Parameter names of each bucket, in the order backward fills them."""
+        return [list(b.names) for b in self._buckets]
+
+    @property
+    def events(self) -> list[Span]:
+        """This step's spans (this rank's clock); cleared when a new step starts."""
+        return list(self._spans)
+
+    def forward(self, *args, **kwargs):
+        if self._awaiting_weights:
+            raise RuntimeError(
+                "parameter_server mode: call broadcast_parameters() after the "
+                "server's optimizer.step(), before the next forward")
+        if self.broadcast_buffers:
+            with torch.no_grad():
+                for t in self.module.buffers():
+                    dist.broadcast(t, group=self.group, group_src=0)
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():  # the first output gradient starts backward
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad: self._backward_started())
+        return out
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every gradient's collective and average.
+
+        overlap and naive: every rank then holds the mean gradient. In
+        parameter_server mode only rank 0 (the server) does; the workers' grads
+        become None, and every rank must call `broadcast_parameters()` after the
+        server's `opt.step()`. Call it after each backward, on every rank.
+        """
+        for b in self._buckets:  # naive, parameter_server, or grads never made
+            if b.work is None:
+                self._launch(b)
+        op = "gather" if self.mode == "parameter_server" else "all_reduce"
+        for b in self._buckets:
+            if b.work is not None:
+                b.work.wait()
+                self._spans.append(Span("comm", f"{op} bucket {b.index}", b.issued,
+                                        b.done.wait(), b.flat.nbytes))
+                self._average(b)
+            b.grads = b.flat = b.gathered = b.work = b.done = None
+            b.ready = 0
+        self._pending, self._task = False, -1
+        self._awaiting_weights = self.mode == "parameter_server"
+
+    @torch.no_grad()
+    def broadcast_parameters(self) -> None:
+        """Rank 0 sends its trainable parameters to every other rank.
+
+        A star, as from a parameter server: the server sends each worker the whole
+        model ((N-1)x the bytes: a scatter of N copies); a worker receives it once.
+        """
+        n = self.world_size
+        for b in self._buckets:
+            sizes = [p.numel() for p in b.params]
+            flat = torch.cat([p.reshape(-1) for p in b.params])  # rank 0: the source
+            out = torch.empty_like(flat)
+            t0 = time.perf_counter()
+            dist.scatter(out, [flat] * n if self.rank == 0 else None,
+                         group=self.group, group_src=0)
+            self._spans.append(Span("comm", f"scatter bucket {b.index}", t0,
+                                    time.perf_counter(), n * flat.nbytes))
+            if self.rank != 0:
+                for p, v in zip(b.params, out.split(sizes)):
+                    p.copy_(v.view(p.shape))
+        self._awaiting_weights = False
+
+    def close(self) -> None:
+        """Remove this wrapper's hooks now (they also go when it is collected)."""
+        _LIVE.discard(self)
+        self._finalizer()
+
+    def extra_repr(self) -> str:
+        return (f"mode={self.mode!r}, bucket_mb={self.bucket_mb}, "
+                f"buckets={len(self._buckets)}, world_size={self.world_size}")
+
+    # -- backward ----------------------------------------------------------------
+
+    def _backward_started(self) -> None:
+        """Called by every hook; acts once per backward (autograd graph task)."""
+        task = torch._C._current_graph_task_id()
+        if task == self._task:
+            return
+        if self._pending and self.mode == "overlap":
+            raise RuntimeError(
+                "DataParallel(mode='overlap'): a second backward before "
+                "finish_gradient_synchronization(), while the first one's "
+                "all-reduces run. Call finish after each backward, or accumulate "
+                "gradients over several backwards with mode='naive'.")
+        self._task = task
+        if not self._pending:  # a new step: forget the last one's spans
+            self._pending, self._spans = True, []
+        self._compute_start = time.perf_counter()
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _backward_ended(self) -> None:
+        self._spans.append(Span("compute", "backward", self._compute_start,
+                                time.perf_counter()))
+
+    def _grad_ready(self, b: _Bucket) -> None:
+        self._backward_started()
+        if self.mode != "overlap":  # naive, parameter_server: all wait for finish
+            return
+        b.ready += 1  # each grad once: AccumulateGrad runs once per backward
+        if b.ready == len(b.params):
+            self._launch(b)
+
+    def _launch(self, b: _Bucket) -> None:
+        grads = [p.grad for p in b.params if p.grad is not None]
+        if not grads:
+            return
+        alone = len(grads) == 1 and grads[0].is_contiguous()
+        b.grads = grads
+        b.flat = grads[0] if alone else torch.cat([g.reshape(-1) for g in grads])
+        b.issued = time.perf_counter()
+        if self.mode == "parameter_server":
+            b.gathered = ([torch.empty_like(b.flat) for _ in range(self.world_size)]
+                          if self.rank == 0 else None)
+            b.work = dist.gather(b.flat, b.gathered, group=self.group, group_dst=0,
+                                 async_op=True)
+        else:
+            b.work = dist.all_reduce(b.flat, group=self.group, async_op=True)
+        # completion time: the future's callback runs on the thread that finishes it
+        b.done = b.work.get_future().then(_completed_at)
+
+    def _average(self, b: _Bucket) -> None:
+        if self.mode == "parameter_server":
+            if self.rank != 0:  # a worker does not hold the average
+                for p in b.params:
+                    p.grad = None
+                return
+            total = b.gathered[0]
+            for g in b.gathered[1:]:  # in rank order
+                total += g
+            b.flat = total
+        b.flat.div_(self.world_size)  # sum -> mean: each rank's loss is a mean
+        if b.flat is not b.grads[0]:
+            flat = b.flat.reshape(-1)  # a lone gradient keeps its shape
+            for g, v in zip(b.grads, flat.split([g.numel() for g in b.grads])):
+                g.copy_(v.view(g.shape))
+
+
+def _completed_at(fut) -> float:
+    fut.value()  # re-raises a failed collective's error
+    return time.perf_counter()
+
+
+def _on_grad(ref, bucket: _Bucket, param: torch.Tensor) -> None:
+    dp = ref()
+    if dp is not None:
+        dp._grad_ready(bucket)
+
+
+def _make_buckets(named, cap: float | None) -> list[_Bucket]:
+    """Fill buckets in order; close one once it holds >= cap bytes (DDP's rule)."""
+    groups: list[list] = []
+    size = 0.0
+    for name, p in named:
+        new_dtype = bool(groups) and p.dtype != groups[-1][0][1].dtype
+        if not groups or cap is None or size >= cap or new_dtype:
+            groups.append([])
+            size = 0.0
+        groups[-1].append((name, p))
+        size += p.numel() * p.element_size()
+    return [_Bucket(i, [p for _, p in g], [n for n, _ in g])
+            for i, g in enumerate(groups)]
+
+
+def _check_devices(module: torch.nn.Module, group) -> None:
+    backend = str(dist.get_backend(group))  # "gloo", "nccl", "cpu:gloo,cuda:nccl"
+    ok = ({pair.split(":")[0] for pair in backend.split(",")} if ":" in backend
+          else {"cuda"} if backend == "nccl" else {"cpu"})  # gloo: CPU, here
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if t.device.type not in ok:
+            fix = ("a meta tensor has no data: materialize the module first"
+                   if t.device.type == "meta" else "move the module there first")
+            raise ValueError(
+                f"DataParallel: {name!r} is on device {t.device}, but the "
+                f"{backend} process group sends {' or '.join(sorted(ok))} "
+                f"tensors; {fix}")
+
+
+# -- the optimizer check: no step on gradients that are not yet averaged --------
+
+def _check_step(opt, args, kwargs) -> None:
+    ids = {id(p) for g in opt.param_groups for p in g["params"]}
+    for dp in list(_LIVE):
+        if ids.isdisjoint(dp._ids):
+            continue
+        if dp._pending:
+            raise RuntimeError(
+                "DataParallel: call finish_gradient_synchronization() before "
+                "optimizer.step(): this rank's gradients are not yet averaged over "
+                f"the {dp.world_size} ranks")
+        if dp.mode == "parameter_server" and dp.rank != 0:
+            raise RuntimeError(
+                f"DataParallel(mode='parameter_server'): rank {dp.rank} is a "
+                "worker; only rank 0, the server, calls optimizer.step(). Workers "
+                "call broadcast_parameters() to receive its weights.")
+
+
+def _track(dp: DataParallel) -> None:
+    global _STEP_HOOK
+    _LIVE.add(dp)
+    if _STEP_HOOK is None:
+        _STEP_HOOK = register_optimizer_step_pre_hook(_check_step)
+
+
+def _release(handles) -> None:
+    """Remove an instance's hooks; the global one too once no instance lives."""
+    global _STEP_HOOK
+    for h in handles:
+        h.remove()
+    if _STEP_HOOK is not None and not any(True for _ in _LIVE):
+        _STEP_HOOK.remove()
+        _STEP_HOOK = None
