@@ -25,15 +25,19 @@ lab: install
 	$(BIN)/jupyter lab $(ROOT_FLAG) --ServerApp.root_dir="$(CURDIR)" \
 		--ServerApp.default_url=/lab/tree/notebooks/00_lab_tour.ipynb
 
+# Chapters executed as under nbval (same per-cell limit); widgets keep their state,
+# the figure each one shows included, so the pages show them.
+NBCONVERT := $(BIN)/jupyter nbconvert --execute \
+	--ExecutePreprocessor.timeout=$(CELL_TIMEOUT) \
+	--ExecutePreprocessor.store_widget_state=True
+
 book: install
-	$(BIN)/jupyter nbconvert --to html --execute --output-dir _build/book \
-		--ExecutePreprocessor.timeout=600 notebooks/*.ipynb
+	$(NBCONVERT) --to html --output-dir _build/book notebooks/*.ipynb
 	mkdir -p _build/images && cp images/*.svg _build/images/  # chapters link ../images
 
 slides: install
-	$(BIN)/jupyter nbconvert --to slides --execute --output-dir _build/slides \
-		--SlidesExporter.reveal_scroll=True --ExecutePreprocessor.timeout=600 \
-		notebooks/*.ipynb
+	$(NBCONVERT) --to slides --output-dir _build/slides \
+		--SlidesExporter.reveal_scroll=True notebooks/*.ipynb
 	mkdir -p _build/images && cp images/*.svg _build/images/
 
 test: lint test-lib test-notebooks

@@ -2,7 +2,11 @@
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -83,3 +87,25 @@ def test_readme_starts_with_the_two_commands():
 
 def test_ci_runs_make_test():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_wheel_holds_every_module(tmp_path):
+    # packages are found automatically: a new layer folder must not be left out.
+    # Built from a copy, so that build/ and *.egg-info never land in the tree.
+    src = tmp_path / "src"
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    shutil.copytree(ROOT / "labkit", src / "labkit", ignore=skip)
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src / name)
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                          "--no-build-isolation", "--no-index", "-q", "-w",
+                          str(tmp_path / "dist"), str(src)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (wheel,) = (tmp_path / "dist").glob("labkit-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        packed = {n for n in z.namelist() if n.startswith("labkit/")}
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "labkit").rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert len(modules) > 20
+    assert sorted(modules - packed) == []

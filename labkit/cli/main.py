@@ -11,7 +11,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m labkit")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("doctor", help="versions, backend, and a 2-rank smoke test")
-    b = sub.add_parser("bench", help="benchmarks, printed as ratios to a reference")
+    b = sub.add_parser("bench", help="benchmarks: each figure beside its target; "
+                       "exit status 1 when one falls short")
     b.add_argument("what", choices=["cluster", "ring"])
     b.add_argument("--world-size", type=int, default=4)
     sub.add_parser("images", help="draw the course's diagrams into images/")

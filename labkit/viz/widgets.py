@@ -6,14 +6,28 @@ lecturer's script) can set `.value` and read what was drawn (`.last`).
 
 from __future__ import annotations
 
+import base64
+
 import ipywidgets as W
-from IPython.display import display
+from IPython.core.interactiveshell import InteractiveShell
 
 from labkit import theory
 from labkit.comm.collectives import ring_steps
 from labkit.units import GB
 from labkit.viz.diagrams import ring_grid
 from labkit.viz.theory_charts import placement_bars, zero_bars
+
+
+def _show(out: W.Output, obj) -> None:
+    """Make `obj` the one output of `out`, set as widget state in the kernel: no
+    display message for a front end to route back into the widget (nbclient's
+    Output mimic answers those on the shell socket mid-cell and then misses the
+    cell's execute_reply until its timeout: jupyter/nbclient#312)."""
+    data, metadata = InteractiveShell.instance().display_formatter.format(obj)
+    data = {k: base64.b64encode(v).decode() if isinstance(v, bytes) else v
+            for k, v in data.items()}  # as on iopub; raw bytes would go as buffers
+    out.outputs = ({"output_type": "display_data", "data": data,
+                    "metadata": metadata},)
 
 
 class RingStepper(W.VBox):
@@ -47,9 +61,7 @@ class RingStepper(W.VBox):
                            f"has sent {self.step.value} chunks of M/{n} = "
                            f"{sent:.3g}·M (the whole run: 2(N-1)/N·M = "
                            f"{2 * (n - 1) / n:.3g}·M)")
-        self.out.clear_output(wait=True)
-        with self.out:
-            display(ring_grid(st))
+        _show(self.out, ring_grid(st))
 
 
 def ring_stepper(n: int = 4) -> RingStepper:
@@ -112,9 +124,7 @@ class ZeroExplorer(W.VBox):
             f"<b>{self.last[chosen].total / GB:,.2f} GB</b> of model state per device "
             f"(DP: {self.last['DP'].total / GB:,.1f} GB) and sends "
             f"{traffic / GB:,.2f} GB per step.")
-        self.out.clear_output(wait=True)
-        with self.out:
-            display(zero_bars(self.last, highlight=chosen, capacity=80 * GB))
+        _show(self.out, zero_bars(self.last, highlight=chosen, capacity=80 * GB))
 
 
 def zero_explorer(**kw) -> ZeroExplorer:
@@ -193,9 +203,7 @@ class PlacementExplorer(W.VBox):
             f"</b><ul>{problems}</ul>traffic per device per step "
             f"({cost.traffic_total / GB:,.2f} GB):<ul>{rows}</ul>"
             + (f"PCIe to host: {cost.pcie / GB:,.2f} GB per step" if cost.pcie else ""))
-        self.out.clear_output(wait=True)
-        with self.out:
-            display(placement_bars(cost))
+        _show(self.out, placement_bars(cost))
 
 
 def placement_explorer(**kw) -> PlacementExplorer:

@@ -1,0 +1,72 @@
+"""python -m labkit bench: each figure beside its target, and a failing exit status
+when one falls short. Made-up figures only: nothing here is timed."""
+
+import math
+
+from labkit.cli import bench, main
+from labkit.cli.bench import Row, cluster_rows, exit_code, ring_rows, table
+
+GOOD = dict(warm=(1.0, 3.0), cold=(2.5, 5.0), first_restart=0.2, restart=0.1,
+            p50=5e-4, p99=2e-3, ar50=0.05, spawn=4.0)
+
+
+def _by_name(rows):
+    return {r.name: r for r in rows}
+
+
+def test_a_time_is_ok_up_to_its_target_and_short_beyond():
+    assert Row("t", 0.3, 0.3).status == "ok"
+    assert Row("t", 0.31, 0.3).status == "short"
+    assert Row("t", math.nan, 0.3).status == "short"
+    assert Row("t", 99.0).status == ""  # no target: never short
+
+
+def test_a_ratio_is_ok_from_its_target_up():
+    assert Row("r", 0.8, 0.8, unit="", at_least=True).status == "ok"
+    assert Row("r", 0.79, 0.8, unit="", at_least=True).status == "short"
+
+
+def test_exit_code_is_1_when_any_figure_falls_short():
+    assert exit_code([Row("a", 1.0, 2.0), Row("b", 50.0)]) == 0
+    assert exit_code([Row("a", 1.0, 2.0), Row("b", 3.0, 2.0)]) == 1
+    assert exit_code([]) == 0
+
+
+def test_table_prints_each_figure_beside_its_target():
+    lines = table([Row("fast enough", 0.2, 0.3), Row("too slow", 0.5, 0.3),
+                   Row("no target", 7.0)]).splitlines()
+    assert lines[1].startswith("fast enough")
+    assert lines[1].endswith("0.200000 s  ≤ 0.3 s       ok")
+    assert lines[2].endswith("≤ 0.3 s       short")
+    assert lines[3].endswith("7.000000 s")
+    assert lines[-1] == "1 figure(s) short of target"
+
+
+def test_cluster_figures_and_their_targets():
+    rows = cluster_rows(**GOOD)
+    assert exit_code(rows) == 0, table(rows)
+    fresh = "first restart after a fault in a fresh process (+ no-op), worst"
+    assert _by_name(rows)[fresh].target == 0.3
+    slow = cluster_rows(**dict(GOOD, first_restart=0.45))
+    assert _by_name(slow)[fresh].status == "short"
+    assert exit_code(slow) == 1
+    # spawn per call must be >= 1000x a warm no-op: 4 s / 5 ms is only 800x
+    few = _by_name(cluster_rows(**dict(GOOD, p50=5e-3)))
+    assert few["spawn per call / warm no-op p50"].status == "short"
+    assert few["warm no-op round trip, p50"].status == "short"  # over 1 ms
+
+
+def test_ring_ratio_target():
+    ok = ring_rows({"all_reduce": 1e9, "ring_all_reduce": 0.9e9})
+    assert exit_code(ok) == 0
+    short = ring_rows({"all_reduce": 1e9, "ring_all_reduce": 0.5e9})
+    assert exit_code(short) == 1
+    assert short[-1].name == "ring / built-in busbw" and short[-1].status == "short"
+
+
+def test_the_command_returns_the_benchmarks_status(monkeypatch):
+    monkeypatch.setattr(bench, "bench_cluster", lambda n: exit_code(
+        [Row("x", 2.0, 1.0)]))
+    monkeypatch.setattr(bench, "bench_ring", lambda n: 0)
+    assert main.main(["bench", "cluster"]) == 1
+    assert main.main(["bench", "ring"]) == 0
