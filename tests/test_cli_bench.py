@@ -7,7 +7,7 @@ from labkit.cli import bench, main
 from labkit.cli.bench import Row, cluster_rows, exit_code, ring_rows, table
 
 GOOD = dict(warm=(1.0, 3.0), cold=(2.5, 5.0), first_restart=0.2, restart=0.1,
-            p50=5e-4, p99=2e-3, ar50=0.05, spawn=4.0)
+            p50=5e-4, p99=2e-3, ar50=0.05, spawn=4.0, file_s=0.2, live_s=0.25)
 
 
 def _by_name(rows):
@@ -51,6 +51,8 @@ def test_cluster_figures_and_their_targets():
     assert _by_name(slow)[fresh].status == "short"
     assert exit_code(slow) == 1
     # spawn per call must be >= 1000x a warm no-op: 4 s / 5 ms is only 800x
+    slow_live = _by_name(cluster_rows(**dict(GOOD, live_s=0.31)))  # 1.55x
+    assert slow_live["  live / files only"].status == "short"
     few = _by_name(cluster_rows(**dict(GOOD, p50=5e-3)))
     assert few["spawn per call / warm no-op p50"].status == "short"
     assert few["warm no-op round trip, p50"].status == "short"  # over 1 ms

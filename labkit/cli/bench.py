@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 
 TARGETS = {"first start": 1.5, "restart after a fault": 0.3, "warm no-op p50": 1e-3,
-           "spawn / no-op": 1000.0, "ring / built-in": 0.8}
+           "spawn / no-op": 1000.0, "ring / built-in": 0.8, "live / file only": 1.5}
+PRINTED_LINES = 10_000
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,14 @@ def bench_cluster(world_size: int = 4, calls: int = 2000) -> int:
             ar.append(time.perf_counter() - t)
         ar50 = _pct(ar, 0.5)
 
+        _progress(f"{PRINTED_LINES:,} printed lines per rank, watched and not (x5)")
+        printing = {"file": [], "live": []}
+        for _ in range(5):  # alternating, so machine noise hits both alike
+            for how in ("file", "live"):
+                printing[how].append(_print_lines(c, live=how == "live"))
+        file_s = statistics.median(printing["file"])
+        live_s = statistics.median(printing["live"])
+
     _progress("the usual way: torch.multiprocessing.spawn per call (3 times)")
     spawn = []
     for _ in range(3):
@@ -231,7 +240,8 @@ def bench_cluster(world_size: int = 4, calls: int = 2000) -> int:
     spawn_s = statistics.median(spawn)
 
     rows = cluster_rows(warm=warm, cold=cold, first_restart=first_restart,
-                        restart=restart, p50=p50, p99=p99, ar50=ar50, spawn=spawn_s)
+                        restart=restart, p50=p50, p99=p99, ar50=ar50, spawn=spawn_s,
+                        file_s=file_s, live_s=live_s)
     print()
     print(table(rows))
     return exit_code(rows)
@@ -239,7 +249,8 @@ def bench_cluster(world_size: int = 4, calls: int = 2000) -> int:
 
 def cluster_rows(*, warm: tuple[float, float], cold: tuple[float, float],
                  first_restart: float, restart: float, p50: float, p99: float,
-                 ar50: float, spawn: float) -> list[Row]:
+                 ar50: float, spawn: float, file_s: float, live_s: float
+                 ) -> list[Row]:
     """bench cluster's figures (seconds) as rows, with their targets."""
     t = TARGETS
     return [
@@ -257,7 +268,46 @@ def cluster_rows(*, warm: tuple[float, float], cold: tuple[float, float],
         Row("torch.multiprocessing.spawn + init_process_group, per call", spawn),
         Row("spawn per call / warm no-op p50", spawn / p50, t["spawn / no-op"],
             unit="x", at_least=True),
+        Row(f"{PRINTED_LINES:,} lines per rank, printed to files only", file_s),
+        Row("  same, shown live as they come", live_s),
+        Row("  live / files only", live_s / file_s, t["live / file only"], unit="x"),
     ]
+
+
+def _print_many(rank, world_size, lines):
+    for i in range(lines):
+        print(f"step {i}: nothing to report")
+
+
+class _Frontend:
+    """Stands in for a notebook watching a call: takes every picture it is sent."""
+
+    def __init__(self):
+        self.frames = 0
+
+    def __call__(self, bundle, final=False):
+        self.frames += 1
+
+
+def _print_lines(c, live: bool) -> float:
+    """Seconds for a call whose ranks print PRINTED_LINES lines each, with the
+    live view on (a stand-in frontend) or off (the transcript to a null stdout)."""
+    import contextlib
+
+    from labkit.runtime import call
+
+    saved = call._publisher
+    call._publisher = _Frontend if live else (lambda: None)
+    try:
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+            t = time.perf_counter()
+            res = c.run(_print_many, PRINTED_LINES)
+            seconds = time.perf_counter() - t
+    finally:
+        call._publisher = saved
+    if any(out.count("\n") != PRINTED_LINES for out in res.outputs.values()):
+        raise RuntimeError("printed lines went missing")  # all of them, in every run
+    return seconds
 
 
 def ring_rows(busbw_median: dict[str, float]) -> list[Row]:
