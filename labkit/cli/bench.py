@@ -46,7 +46,7 @@ def exit_code(rows: list[Row]) -> int:
 
 def _fmt(x: float, unit: str, spec: str = "") -> str:
     if unit == "x":
-        return f"{x:,{spec or '.0f'}}x"
+        return f"{x:,{spec or ('.0f' if abs(x) >= 100 else '.2f')}}x"
     return f"{x:{spec or ('.6f' if unit == 's' else '.3f')}} {unit}".rstrip()
 
 
