@@ -22,6 +22,11 @@ def current_phase(explicit: list[str], in_optimizer: bool, in_forward: bool) -> 
     return "forward" if in_forward else "other"
 
 
+def recording(kind: str) -> Ledger | None:
+    """The ledger of this kind recording in this process, if one is."""
+    return _ACTIVE.get(kind)
+
+
 class Ledger:
     """Base of both ledgers. Subclasses set `kind` and `fields` (what pickles)."""
 

@@ -308,6 +308,18 @@ class MemoryLedger(Ledger):
         self._step_peak, self._step_at_peak = dict(self.current), dict(self.current)
 
 
+def count_as(t: torch.Tensor, category: str) -> None:
+    """Tell the memory ledger recording in this process (if any) that `t` is held
+    as `category` (e.g. a gradient shard kept outside any `.grad`); else nothing."""
+    if category not in CATEGORIES:
+        raise ValueError(f"category must be one of {CATEGORIES}, not {category!r}")
+    from labkit.ledger.common import recording
+
+    led = recording("memory")
+    if led is not None and getattr(led, "_tracker", None) is not None:
+        led._tracker.track_as(t, category)
+
+
 def memory(*tracked) -> MemoryLedger:
     """A ledger of the memory this process holds, by category.
 

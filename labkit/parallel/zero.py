@@ -1,0 +1,299 @@
+"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
+Training Trillion Parameter Models", sec. 5.1-5.2): each of N data-parallel ranks
+keeps the optimizer state (stage 1), and the averaged gradient (stage 2), of one
+1/N slice of the parameters. Parameters stay whole on every rank (stage 3 shards
+them too: that is FSDP, chapter 07). Ranks must start from the same parameters.
+
+    opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)  # ZeRO-1
+    loss.backward(); <all-reduce the gradients, op=AVG>; opt.step()
+    ShardedOptimizer(..., reduce_scatter_gradients=True)  # step() averages them
+    ShardedOptimizer(..., stage=2, bucket_mb=1)  # averaged during backward
+
+Layout: each param group's trainable parameters are copied into one flat buffer and
+become views into it (same values, shapes and objects; so one ShardedOptimizer per
+parameter). The buffer is zero-padded to N*s elements, s = ceil(numel / N), and
+rank r owns [r*s, (r+1)*s): exactly 1/N of the state, the paper's picture. Whole
+parameters per rank (PyTorch's ZeroRedundancyOptimizer) need no padding but can
+leave one rank a far larger share. A group added later gets its own buffer, so the
+others are not re-sharded.
+
+Gradients, by mode (the reduce-scatter, bucket by bucket: zero_buckets.py):
+- stage 1 (default): `p.grad` already holds the average over ranks; `step()` reads
+  its slice, updates it, all-gathers the parameters: each rank sends (N-1)*s.
+- stage 1, reduce_scatter_gradients=True: `p.grad` is this rank's own gradient;
+  `step()` first reduce-scatters it, so each rank sends 2(N-1)*s = 2(N-1)/N of
+  the (padded) parameters, as data parallelism's all-reduce does (paper, sec. 7).
+- stage 2: post-accumulate-grad hooks reduce-scatter each bucket during backward
+  and free its full gradients: after backward every `p.grad` is None and each rank
+  holds only its averaged slice, which `step()` consumes (backward twice before a
+  step accumulates into it, as into `p.grad`).
+
+The update is element-wise on flat slices, so `optimizer_cls` must be too (SGD,
+Adam, AdamW, ...): one that looks at a tensor's shape or norm (LAMB, Adafactor)
+would change. A trainable parameter with no gradient steps as if it were zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from labkit.ledger import count_as
+from labkit.parallel.zero_buckets import BucketHooks, make_buckets, reduce_scatter
+
+
+@dataclass(eq=False)
+class _Group:
+    """One param group's flat buffer and this rank's slice [lo, hi) of it."""
+
+    flat: torch.Tensor  # (N*s,) the parameters are views into it
+    params: list  # trainable parameters, in buffer order
+    offset: dict  # parameter -> first element in `flat`
+    s: int  # elements per rank, padding included
+    lo: int  # this rank's real elements: flat[lo:hi]
+    hi: int
+    buckets: list = field(default_factory=list)
+    grad: torch.Tensor | None = None  # (s,) the averaged gradient of r*s...(r+1)*s
+
+    def part(self, p) -> tuple[int, int]:
+        """The elements [i, j) of p.reshape(-1) that fall in this rank's slice."""
+        a, k = self.offset[p], p.numel()
+        return min(max(self.lo - a, 0), k), min(max(self.hi - a, 0), k)
+
+
+def _count_as_gradient(t: torch.Tensor) -> None:
+    """Stage 2's slice is no parameter's `.grad`, so a recording memory ledger would
+    call it a temporary: tell it (a no-op when none records)."""
+    count_as(t, "Gradient")
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1/2: `optimizer_cls` steps only this rank's 1/N slice; step() all-gathers.
+
+    `param_groups` hold your parameters (an lr scheduler works as usual); `state` is
+    the slice's (Adam: m and v of s elements per group, plus a step counter).
+    `state_dict()` is collective and returns what `optimizer_cls` itself would
+    save; `load_state_dict` takes either, on any number of ranks.
+    """
+
+    def __init__(self, params, optimizer_cls: type[torch.optim.Optimizer], *,
+                 stage: int = 1, reduce_scatter_gradients: bool | None = None,
+                 bucket_mb: float = 25.0, group=None, **optimizer_kwargs):
+        if stage not in (1, 2):
+            raise ValueError(f"ShardedOptimizer does ZeRO stage 1 or 2, not {stage!r} "
+                             "(stage 3 shards the parameters too: that is FSDP)")
+        if reduce_scatter_gradients is None:
+            reduce_scatter_gradients = stage == 2
+        if stage == 2 and not reduce_scatter_gradients:
+            raise ValueError("stage 2 always reduce-scatters the gradients (in "
+                             "backward); leave out reduce_scatter_gradients")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, not {bucket_mb!r}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "ShardedOptimizer needs a torch.distributed process group: create it "
+                "inside a function you run on the ranks (cluster.run(fn))")
+        self.process_group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.stage, self.reduce_scatter_gradients = stage, reduce_scatter_gradients
+        self._backend = dist.get_backend(group)
+        self._bucket_bytes = bucket_mb * 2**20  # MiB, like DDP's bucket_cap_mb
+        self._cls, self._inner, self._groups = optimizer_cls, None, []
+        self._hooks = BucketHooks(self._reduce_bucket) if stage == 2 else None
+        super().__init__(params, dict(optimizer_kwargs))
+        self.state = self._inner.state  # the slice's state (holdings counts it)
+
+    # -- layout -----------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        grp = self._flatten([p for p in g["params"] if p.requires_grad])
+        self._groups.append(grp)
+        # an empty slice (a tiny group on many ranks) keeps every rank's groups alike
+        piece = {**g, "params": [grp.flat[grp.lo:grp.hi]]}
+        if self._inner is None:
+            self._inner = self._cls([piece], **self.defaults)
+        else:
+            self._inner.add_param_group(piece)
+        for k, v in self._inner.param_groups[-1].items():
+            g.setdefault(k, v)  # the full hyperparameters, as optimizer_cls keeps them
+        if self._hooks is not None:
+            self._hooks.add(grp, grp.buckets)
+
+    @torch.no_grad()
+    def _flatten(self, params: list) -> _Group:
+        n, r = self.world_size, self.rank
+        device = "cuda" if self._backend == "nccl" else "cpu"
+        for p in params:
+            if p.device.type != device:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is on {p.device}, but the "
+                    f"process group ({self._backend}) works on {device}: move the "
+                    "model first")
+        if len({p.dtype for p in params}) > 1:
+            raise ValueError("a param group's parameters must share one dtype: "
+                             "put each dtype in its own group")
+        numel = sum(p.numel() for p in params)
+        s = math.ceil(numel / n)
+        like = params[0] if params else torch.empty(0)
+        flat = like.new_zeros(n * s)
+        offset, o = {}, 0
+        for p in params:
+            flat[o:o + p.numel()].copy_(p.reshape(-1))
+            p.data = flat[o:o + p.numel()].view_as(p)  # the parameter lives in `flat`
+            offset[p], o = o, o + p.numel()
+        cap = max(1, int(self._bucket_bytes // flat.element_size()))
+        return _Group(flat, params, offset, s, min(r * s, numel),
+                      min((r + 1) * s, numel), make_buckets(params, offset, n * s, cap))
+
+    # -- gradients ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def _reduce_bucket(self, grp: _Group, b, keep=None) -> None:
+        """Average bucket b's gradients over ranks into this rank's slice. In stage
+        2, free the full gradients once copied, all but `keep`'s."""
+        buf = grp.flat.new_zeros(b.end - b.start)
+        for p in b.params:
+            if p.grad is not None:
+                o = grp.offset[p] - b.start
+                buf[o:o + p.numel()].view_as(p).copy_(p.grad)
+            if self.stage == 2 and p is not keep:
+                p.grad = None
+        if grp.grad is None:
+            grp.grad = grp.flat.new_zeros(grp.s)
+        if self.stage == 2:
+            _count_as_gradient(grp.grad)
+        reduce_scatter(buf, b.start, grp.s, grp.grad, self.process_group)
+
+    def _grad_slices(self) -> list[torch.Tensor]:
+        """This rank's averaged gradient slice of each group, (hi - lo,) each."""
+        params = [p for grp in self._groups for p in grp.params]
+        if self.stage == 2:
+            if all(grp.grad is None for grp in self._groups):
+                raise RuntimeError("step() before backward(): stage 2 has reduced no "
+                                   "gradient since the last step() or zero_grad()")
+            if any(p.grad is not None for p in params):
+                raise RuntimeError(
+                    "stage 2 reduce-scatters gradients during backward and frees "
+                    "them, but a parameter has a .grad set outside backward")
+        elif not any(p.grad is not None for p in params):
+            raise RuntimeError("step() before backward(): no parameter has a "
+                               "gradient")
+        elif self.reduce_scatter_gradients:
+            for grp in self._groups:
+                for b in grp.buckets:
+                    self._reduce_bucket(grp, b)
+        if self.reduce_scatter_gradients:
+            return [grp.flat.new_zeros(grp.hi - grp.lo) if grp.grad is None
+                    else grp.grad[:grp.hi - grp.lo] for grp in self._groups]
+        out = []  # gradients averaged by the caller: copy out this rank's slice
+        for grp in self._groups:
+            g = grp.flat.new_zeros(grp.hi - grp.lo)
+            for p in grp.params:
+                i, j = grp.part(p)
+                if p.grad is not None and i < j:
+                    at = grp.offset[p] + i - grp.lo
+                    g[at:at + j - i] = p.grad.reshape(-1)[i:j]
+            out.append(g)
+        return out
+
+    def remove_hooks(self) -> None:
+        """Stop stage 2's gradient hooks (the parameters keep working without them)."""
+        if self._hooks is not None:
+            self._hooks.remove()
+
+    # -- step ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = self._grad_slices()
+        for g, inner, grad in zip(self.param_groups, self._inner.param_groups, grads):
+            inner.update({k: v for k, v in g.items() if k != "params"})  # lr, ...
+            inner["params"][0].grad = grad
+        self._inner.step()
+        for inner in self._inner.param_groups:
+            inner["params"][0].grad = None
+        for grp in self._groups:
+            grp.grad = None  # consumed: the next backward starts a new one
+            if grp.s:  # every rank gets every rank's updated slice
+                r, s = self.rank, grp.s
+                dist.all_gather_single(grp.flat, grp.flat[r * s:(r + 1) * s].clone(),
+                                       group=self.process_group)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for grp in self._groups:
+            if set_to_none:
+                grp.grad = None
+            elif grp.grad is not None:
+                grp.grad.zero_()
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """What `optimizer_cls` itself would save, whole: collective, call it on every
+        rank. Element-wise state (Adam's m and v) is all-gathered from the slices."""
+        state, groups = {}, []
+        for g, grp, inner in zip(self.param_groups, self._groups,
+                                 self._inner.param_groups):
+            index = {p: sum(len(x["params"]) for x in groups) + j
+                     for j, p in enumerate(g["params"])}
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": list(index.values())})
+            whole, each = {}, set()
+            for k, v in self._inner.state.get(inner["params"][0], {}).items():
+                whole[k] = v
+                if torch.is_tensor(v) and v.dim() == 1 and grp.s:  # per element
+                    mine = v.new_zeros(grp.s)
+                    mine[:v.numel()] = v
+                    whole[k] = v.new_empty(self.world_size * grp.s)
+                    dist.all_gather_single(whole[k], mine, group=self.process_group)
+                    each.add(k)
+            for p in grp.params if whole else ():
+                a = grp.offset[p]
+                state[index[p]] = {
+                    k: v[a:a + p.numel()].view_as(p).clone() if k in each
+                    else v.clone() if torch.is_tensor(v) else v
+                    for k, v in whole.items()}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a `state_dict()` of this class or of `optimizer_cls` (same groups, any
+        number of ranks): each rank keeps its slice. No communication."""
+        saved = state_dict["param_groups"]
+        if [len(x["params"]) for x in saved] != [len(g["params"])
+                                                  for g in self.param_groups]:
+            raise ValueError("the state dict's param groups do not match this "
+                             "optimizer's (number of groups or parameters in each)")
+        for g, grp, inner, sg in zip(self.param_groups, self._groups,
+                                     self._inner.param_groups, saved):
+            g.update({k: v for k, v in sg.items() if k != "params"})
+            index = dict(zip(g["params"], sg["params"]))
+            per = [state_dict["state"].get(index[p]) for p in grp.params]
+            piece = inner["params"][0]
+            self._inner.state.pop(piece, None)
+            if not any(per):
+                continue
+            if not all(per):
+                raise ValueError("the state dict has state for some trainable "
+                                 "parameters of a group but not for others")
+            mine = {}
+            for k, v in per[0].items():
+                mine[k] = v.clone() if torch.is_tensor(v) else v
+                # per element: shaped like the parameter (a 0-d one's step is not)
+                p0 = grp.params[0]
+                if torch.is_tensor(v) and v.shape == p0.shape and (v.dim() or
+                                                                    k != "step"):
+                    parts = [st[k].reshape(-1)[slice(*grp.part(p))]
+                             for p, st in zip(grp.params, per)]
+                    mine[k] = torch.cat(parts).to(piece)
+            self._inner.state[piece] = mine
