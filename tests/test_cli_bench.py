@@ -72,3 +72,21 @@ def test_the_command_returns_the_benchmarks_status(monkeypatch):
     monkeypatch.setattr(bench, "bench_ring", lambda n: 0)
     assert main.main(["bench", "cluster"]) == 1
     assert main.main(["bench", "ring"]) == 0
+
+
+def test_strategy_rows_ratios_and_state_share():
+    from labkit.cli.bench_strategies import strategy_rows
+
+    step = {"DataParallel": 1.05, "DDP": 1.0, "ShardedOptimizer": 1.3,
+            "ZeroRedundancyOptimizer": 1.0}
+    full = 8 * 1000 + 32  # plain Adam on every rank: 8 bytes/param + step counters
+    state = {"DDP": [full] * 4, "ShardedOptimizer": [2004, 2004, 2004, 2004],
+             "ZeroRedundancyOptimizer": [2016] * 4}
+    rows = _by_name(strategy_rows(step, state, 4))
+    assert rows["DataParallel / DDP"].status == "ok"  # 1.05 <= 1.1
+    assert rows["ShardedOptimizer / ZeroRedundancyOptimizer"].status == "short"
+    share = rows["ShardedOptimizer: largest rank's state x N / DDP's"]
+    assert share.value == 2004 * 4 / full and share.status == "ok"
+    lopsided = dict(state, ShardedOptimizer=[4000, 1000, 1000, 1000])
+    assert _by_name(strategy_rows(step, lopsided, 4))[
+        "ShardedOptimizer: largest rank's state x N / DDP's"].status == "short"

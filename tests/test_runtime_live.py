@@ -69,7 +69,8 @@ def test_lines_arrive_before_the_call_ends_then_the_transcript(kernel):
     shown = _shown(msgs)
     first = [t for t, text in shown if "[rank 1] a first line" in text]
     final = shown[-1]
-    assert first and first[0] < 1.5, shown  # seen while the call still sleeps
+    # seen while the call still slept (1.8 s between the two prints): order, not speed
+    assert first and first[0] < final[0] - 1.0, shown
     assert final[0] >= 2.0
     assert final[1] == ("[rank 0] a first line\n[rank 0] a last line\n"
                         "[rank 1] a first line\n[rank 1] a last line")
@@ -101,7 +102,7 @@ except labkit.CollectiveTimeout as e:
     status = [(t, s) for t, s in updates if s.startswith("rank 0: in all_reduce")]
     assert status, updates
     t, line = status[0]
-    assert t < 4.0  # before the timeout fired
+    assert t < updates[-1][0] - 1.0  # well before the timeout ended the call
     assert "all_reduce of 1.0 MiB (group of 2)" in line
     assert "of your cell: dist.all_reduce(x)" in line
     assert "rank 0:" not in updates[-1][1]  # gone when the call ended

@@ -1,5 +1,5 @@
-"""`python -m labkit ...`: doctor | bench cluster|ring | launch FILE.py:FN | images |
-clean-notebooks FILES... (one subcommand per module in this folder)."""
+"""`python -m labkit ...`: doctor | bench cluster|ring|strategies |
+launch FILE.py:FN | images | clean-notebooks FILES... (one module per command)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("doctor", help="versions, backend, and a 2-rank smoke test")
     b = sub.add_parser("bench", help="benchmarks: each figure beside its target; "
                        "exit status 1 when one falls short")
-    b.add_argument("what", choices=["cluster", "ring"])
+    b.add_argument("what", choices=["cluster", "ring", "strategies"])
     b.add_argument("--world-size", type=int, default=4)
     sub.add_parser("images", help="draw the course's diagrams into images/")
     la = sub.add_parser("launch", help="run FILE.py:FUNCTION under torchrun")
@@ -32,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         return doctor()
     if args.cmd == "bench":
         from labkit.cli.bench import bench_cluster, bench_ring
+
+        if args.what == "strategies":
+            from labkit.cli.bench_strategies import bench_strategies
+
+            return bench_strategies(args.world_size)
 
         if args.what == "ring":
             return bench_ring(args.world_size)
