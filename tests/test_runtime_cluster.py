@@ -370,3 +370,26 @@ def test_import_starts_the_forkserver_only_where_ranks_will_follow():
                             capture_output=True, text=True, timeout=120,
                             env=env | {"LABKIT_PREWARM": "1"})
     assert forced.stdout.strip() == "True"
+
+
+def _preloaded_here(rank, world_size):
+    import sys
+
+    from labkit.runtime.forkserver import PRELOAD_WHEN_IDLE
+
+    return all(m in sys.modules for m in PRELOAD_WHEN_IDLE)
+
+
+def test_a_successor_forkserver_takes_over_with_more_imported():
+    """Ranks of a cluster started before the hand-over import on first use; after
+    it, new ranks come with the memory ledger and torch._dynamo already in."""
+    with labkit.Cluster(2) as c:
+        first = forkserver().proc.pid
+        # idle after serving: the forkserver forks a successor that imports more
+        assert forkserver().wait_preloaded(timeout=90)
+        c.restart()
+        assert c.run(_preloaded_here).values == [True, True]
+        parents = {int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
+                   for p in c.pids.values()}
+        assert len(parents) == 1 and parents != {first}  # forked by the successor
+        assert parents <= set(descendants_of(first))
