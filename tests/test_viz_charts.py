@@ -111,3 +111,11 @@ def test_zero_bars_and_placement_bars_draw_the_numbers():
     heights = [p.get_height() for c in ax.containers for p in c.patches]
     assert sum(heights) == pytest.approx((cost.persistent_total + cost.peak_total)
                                          / 1e9)
+
+
+def test_memory_bars_with_named_keys_keep_order_and_labels():
+    d = {"Parameter": 4 * MiB, "Optstate": 8 * MiB}
+    fig = viz.memory_by_rank({"fp32": d, "bf16 + fp32 master": d, 3: d})
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels == ["fp32", "bf16 + fp32\nmaster", "rank 3"]  # no "rank fp32"

@@ -3,6 +3,7 @@ against the bus-bytes model, and a per-rank timeline (a timing)."""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 
 from matplotlib.figure import Figure
@@ -24,8 +25,9 @@ def memory_by_rank(per_rank, expected=None, *, ax=None, unit: float = MiB,
     """Stacked bars of bytes by category, one bar per rank.
 
     per_rank: rank -> {category: bytes} (a dict, or a list indexed by rank; a
-    MemoryLedger's `current` or `at_peak` is such a dict). expected: bytes per rank
-    (one number for all, or one per rank), drawn as a line over each bar.
+    MemoryLedger's `current` or `at_peak` is such a dict); a key that is not an int
+    labels its bar as it is (e.g. "fp32", "batch 8"). expected: bytes per bar (one
+    number for all, or one per key), drawn as a line over each bar.
     """
     ranks = _per_rank(per_rank)
     ranks = {r: getattr(v, "current", v) for r, v in ranks.items()}
@@ -47,11 +49,18 @@ def memory_by_rank(per_rank, expected=None, *, ax=None, unit: float = MiB,
             if exp.get(r) is not None:
                 ax.hlines(exp[r] / unit, x - 0.4, x + 0.4, colors="black",
                           linestyles="--", label="expected" if x == 0 else None)
-    ax.set_xticks(xs, [f"rank {r}" for r in ranks])
+    ax.set_xticks(xs, [_bar_label(r) for r in ranks])
     ax.set_ylabel(unit_name)
     ax.set_title(title)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
+
+
+def _bar_label(key) -> str:
+    """'rank 2' for a rank; any other key as it is, wrapped to fit under a bar."""
+    if isinstance(key, int):
+        return f"rank {key}"
+    return textwrap.fill(str(key), 12)
 
 
 # --------------------------------------------------------------------- traffic

@@ -49,9 +49,12 @@ def _axes(ax, figsize):
     return fig, fig.add_subplot()
 
 
-def _per_rank(data) -> dict[int, object]:
+def _per_rank(data) -> dict:
+    """rank -> value, ranks in order; named keys ("fp32", ...) keep the caller's."""
     if isinstance(data, Mapping):
-        return dict(sorted(data.items()))
+        if all(isinstance(k, int) for k in data):
+            return dict(sorted(data.items()))
+        return dict(data)
     return dict(enumerate(data))
 
 
