@@ -393,3 +393,28 @@ def test_a_successor_forkserver_takes_over_with_more_imported():
                    for p in c.pids.values()}
         assert len(parents) == 1 and parents != {first}  # forked by the successor
         assert parents <= set(descendants_of(first))
+
+
+def test_an_optimizer_class_made_here_uses_the_ranks_hooks(cluster):
+    """A notebook's Optimizer subclass, once instantiated in the kernel, has a
+    `step` PyTorch wrapped with the kernel's hook registry; on the ranks it must
+    call the ranks' hooks (the memory ledger files optimizer state by them)."""
+
+    class MySGD(torch.optim.SGD):  # defined locally: travels by value, as in a cell
+        pass
+
+    MySGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # wraps MySGD.step here
+
+    def step_fires_hooks(rank, world_size):
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        seen = []
+        handle = register_optimizer_step_pre_hook(lambda opt, a, k: seen.append(1))
+        p = torch.zeros(1, requires_grad=True)
+        opt = MySGD([p], lr=0.1)
+        p.sum().backward()
+        opt.step()
+        handle.remove()
+        return len(seen)
+
+    assert cluster.run(step_fires_hooks).values == [1] * cluster.world_size

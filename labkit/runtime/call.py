@@ -3,6 +3,7 @@ failed), ask the ranks still busy what they are doing, and print what they wrote
 
 from __future__ import annotations
 
+import io
 import itertools
 import selectors
 import time
@@ -192,10 +193,33 @@ class Collector:
         return out
 
 
+def _unwrapped(fn):
+    return fn
+
+
+class _CallPickler(cloudpickle.Pickler):
+    """cloudpickle, except that an optimizer's `step` that PyTorch has wrapped in
+    this process travels unwrapped: a class defined in a notebook goes by value, and
+    a copied wrapper would call the hooks registered here, not those on the rank
+    (where the ledgers register theirs). The rank wraps `step` again itself."""
+
+    def reducer_override(self, obj):
+        if getattr(obj, "hooked", False) and hasattr(obj, "__wrapped__") and \
+                callable(obj):
+            return _unwrapped, (obj.__wrapped__,)
+        return super().reducer_override(obj)
+
+
+def _dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    _CallPickler(buf, protocol=5).dump(obj)
+    return buf.getvalue()
+
+
 def pack_call(fn, args, kwargs) -> bytes:
     """Pickle the call once (cloudpickle: notebook functions travel by value)."""
     try:
-        return cloudpickle.dumps(Call(next(_CALL_IDS), fn, args, kwargs), protocol=5)
+        return _dumps(Call(next(_CALL_IDS), fn, args, kwargs))
     except Exception as e:  # noqa: BLE001  (find out which piece, and say so)
         err = e
     pieces = [(f"the function {getattr(fn, '__name__', fn)!r}", fn)]

@@ -10,6 +10,7 @@ pyplot or rcParams; a widget only binds controls to a chart.
 """
 
 from labkit.viz.diagrams import collective_diagram, ring_grid
+from labkit.viz.dp_charts import dp_timeline, dp_timelines, dp_traffic
 from labkit.viz.ledger_charts import memory_by_rank, timeline, traffic_by_rank
 from labkit.viz.network_charts import bandwidth_chart, hierarchy, link_load
 from labkit.viz.style import CATEGORY_COLORS, OP_COLORS, LabFigure
@@ -23,6 +24,7 @@ from labkit.viz.widgets import (
     ring_stepper,
     zero_explorer,
 )
+from labkit.viz.zero_charts import stage_bars, steward_grid, steward_grids
 
 __all__ = [
     "CATEGORY_COLORS", "OP_COLORS", "Comparison", "LabFigure", "PlacementExplorer",
@@ -31,3 +33,6 @@ __all__ = [
     "placement_bars", "placement_explorer", "ring_grid", "ring_stepper", "timeline",
     "traffic_by_rank", "zero_bars", "zero_explorer",
 ]
+
+__all__ += ["dp_timeline", "dp_timelines", "dp_traffic"]
+__all__ += ["stage_bars", "steward_grid", "steward_grids"]

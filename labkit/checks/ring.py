@@ -1,24 +1,9 @@
-"""Exercise checks that explain what is wrong.
-
-A check runs the student's function on real ranks, compares with the reference in
-labkit.collectives, and either prints a short success line or raises
-`ExerciseError` naming the rank, the chunk and what went wrong. A function that
-still raises NotImplementedError is "not written yet": the check says so and
-returns False without failing the notebook.
-"""
+"""Chapter 02's check: a ring reduce-scatter written from send/recv."""
 
 from __future__ import annotations
 
+from labkit.checks.common import ExerciseError, _not_written
 from labkit.runtime.results import RankError
-
-
-class ExerciseError(AssertionError):
-    """The exercise's answer is wrong; the message says where and why."""
-
-
-def _not_written(err: RankError) -> bool:
-    return bool(err.exceptions) and all(
-        isinstance(e, NotImplementedError) for e in err.exceptions.values())
 
 
 def _contributors(value: float, n: int) -> list[int]:
@@ -72,22 +57,4 @@ def check_ring_reduce_scatter(cluster, fn, chunk_len: int = 3) -> bool:
                 f"((rank - step + 1) % n) and which you add into.")
     print(f"correct: after {n - 1} steps every rank r holds the full sum of chunk "
           f"(r+1) % {n}, and sent {n - 1} chunks of M/{n}")
-    return True
-
-
-def check_answer(what: str, yours, expected, hint: str = "", rel: float = 1e-9) -> bool:
-    """Compare a student's number with the expected one.
-
-    None means "not answered yet": it says so and returns False without failing.
-    A wrong answer raises ExerciseError with the hint; a right one prints a line.
-    """
-    if yours is None:
-        print(f"{what}: not answered yet (replace None with your answer)")
-        return False
-    if isinstance(yours, bool) or not isinstance(yours, (int, float)):
-        raise ExerciseError(f"{what}: expected a number, got {yours!r}")
-    if abs(yours - expected) > rel * max(abs(expected), 1e-300):
-        msg = f"{what}: {yours:,.6g} is not right"
-        raise ExerciseError(msg + (f". Hint: {hint}" if hint else ""))
-    print(f"{what}: {yours:,.6g} is right")
     return True

@@ -1,0 +1,142 @@
+"""Charts of data parallelism: bytes each rank wrote under two or more schemes next
+to their closed forms, and a per-rank timeline of backward and the collectives
+(a timing), with the share of communication hidden under backward."""
+
+from __future__ import annotations
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from labkit.units import MiB
+from labkit.viz.style import COMPUTE_COLOR, OP_COLORS, LabFigure, _axes, _per_rank
+
+SCHEME_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860")
+
+
+def dp_traffic(measured, expected=None, *, ax=None, unit: float = MiB,
+               unit_name: str = "MiB",
+               title: str = "Bytes each rank wrote in one step") -> Figure:
+    """Grouped bars: for each rank, one bar per scheme (bytes measured on the wire),
+    each with its closed form drawn as a dashed line across the bar.
+
+    measured: scheme -> per-rank bytes (a list indexed by rank, or a dict).
+    expected: scheme -> per-rank bytes, the closed form (same shape), optional.
+    """
+    schemes = {name: _per_rank(v) for name, v in measured.items()}
+    ranks = sorted({r for v in schemes.values() for r in v})
+    fig, ax = _axes(ax, (2.0 + 1.0 * len(ranks), 3.6))
+    width = 0.8 / max(1, len(schemes))
+    for i, (name, per_rank) in enumerate(schemes.items()):
+        xs = [k - 0.4 + (i + 0.5) * width for k in range(len(ranks))]
+        ax.bar(xs, [per_rank.get(r, 0) / unit for r in ranks], width * 0.9,
+               color=SCHEME_COLORS[i % len(SCHEME_COLORS)], label=f"{name} (wire)")
+        if expected is not None and name in expected:
+            exp = _per_rank(expected[name])
+            for x, r in zip(xs, ranks):
+                if exp.get(r) is not None:
+                    ax.hlines(exp[r] / unit, x - width / 2, x + width / 2,
+                              colors="black", linestyles="--", lw=1.2)
+    handles, _ = ax.get_legend_handles_labels()
+    if expected is not None:
+        from matplotlib.lines import Line2D
+
+        handles.append(Line2D([], [], color="black", ls="--", label="closed form"))
+    ax.set_xticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_ylabel(f"{unit_name} written")
+    ax.set_title(title)
+    ax.legend(handles=handles, fontsize="small", loc="upper left",
+              bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+# --------------------------------------------------------------------- timeline
+
+
+def _op(span) -> str:
+    return span.name.split()[0] if span.name else "comm"
+
+
+def _rows(spans) -> list[int]:
+    """Give each span (sorted by start) the first sub-row free at its start, so
+    that no two spans in one sub-row overlap (greedy interval colouring)."""
+    ends: list[float] = []
+    rows = []
+    for s in spans:
+        for i, end in enumerate(ends):
+            if end <= s.start:
+                ends[i] = s.end
+                rows.append(i)
+                break
+        else:
+            ends.append(s.end)
+            rows.append(len(ends) - 1)
+    return rows
+
+
+def dp_timeline(events, *, ax=None, title: str = "", origin: float | None = None,
+                legend: bool = True) -> Figure:
+    """One lane per rank from recorded `Span`s (a timing: varies run to run).
+
+    events: rank -> list of Span (DataParallel.events, or spans recorded the same
+    way). In each lane, backward is the grey bar on top; each collective, from the
+    moment it was issued to the moment it completed, is a coloured bar below, in
+    its own sub-row wherever it overlaps another, so no bar hides another. The
+    title gives the share of communication time during which backward ran
+    (`overlap_fraction`), averaged over the ranks.
+    """
+    # here, not at the top: labkit.parallel imports torch, which viz otherwise need not
+    from labkit.parallel.events import overlap_fraction
+
+    ranks = _per_rank(events)
+    spans = [s for v in ranks.values() for s in v]
+    if origin is None:
+        origin = min((s.start for s in spans), default=0.0)
+    fig, ax = _axes(ax, (8, 0.9 + 0.8 * len(ranks)))
+    seen: list[str] = []
+    for lane, evs in enumerate(ranks.values()):
+        compute = [(1e3 * (s.start - origin), 1e3 * s.seconds)
+                   for s in evs if s.kind == "compute"]
+        ax.broken_barh(compute, (lane - 0.42, 0.36), facecolors=COMPUTE_COLOR,
+                       edgecolors="#7F7F7F", linewidth=0.5)
+        comm = sorted((s for s in evs if s.kind == "comm"), key=lambda s: s.start)
+        rows = _rows(comm)
+        height = 0.44 / max(1, max(rows, default=0) + 1)
+        for s, row in zip(comm, rows):
+            op = _op(s)
+            if op not in seen:
+                seen.append(op)
+            ax.broken_barh([(1e3 * (s.start - origin), 1e3 * s.seconds)],
+                           (lane - 0.02 + row * height, height * 0.85),
+                           facecolors=OP_COLORS.get(op, "black"))
+    shares = [overlap_fraction(v) for v in ranks.values()]
+    share = sum(shares) / len(shares) if shares else 0.0
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
+    ax.set_xlabel("ms since the first span began")
+    head = f"{title}: " if title else ""
+    ax.set_title(f"{head}{share:.0%} of communication time under backward "
+                 "(a timing)")
+    if legend:
+        handles = [Patch(facecolor=COMPUTE_COLOR, edgecolor="#7F7F7F",
+                         label="backward (compute)")]
+        handles += [Patch(color=OP_COLORS.get(op, "black"),
+                          label=f"{op}: issued to done") for op in seen]
+        ax.legend(handles=handles, fontsize="small", loc="upper left",
+                  bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+def dp_timelines(schemes, *, title: str = "One training step, rank by rank"
+                 ) -> Figure:
+    """dp_timeline for each scheme (name -> rank -> spans), stacked, one time axis
+    (each panel starts at its own first span); the legend on the top panel."""
+    n_ranks = max((len(_per_rank(v)) for v in schemes.values()), default=1)
+    fig = LabFigure(figsize=(9, (0.7 + 0.6 * n_ranks) * len(schemes)),
+                    layout="constrained")
+    axes = fig.subplots(len(schemes), 1, sharex=True, squeeze=False)[:, 0]
+    for i, (ax, (name, events)) in enumerate(zip(axes, schemes.items())):
+        dp_timeline(events, ax=ax, title=name, legend=i == 0)
+        if i < len(axes) - 1:
+            ax.set_xlabel("")
+    fig.suptitle(title)
+    return fig
