@@ -34,16 +34,16 @@ def _setups():
     from labkit.parallel import DataParallel, ShardedOptimizer
 
     def labkit_dp(model):
-        dp = DataParallel(model, bucket_mb=25)
+        dp = DataParallel(model, bucket_mb=25, first_bucket_mb=1)  # DDP's defaults
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         return dp, opt, dp.finish_gradient_synchronization
 
     def torch_ddp(model):
-        ddp = DDP(model)  # 25 MiB buckets by default, like ours above
+        ddp = DDP(model)  # 25 MiB buckets, the first 1 MiB: as ours above
         return ddp, torch.optim.Adam(ddp.parameters(), lr=1e-3), None
 
     def labkit_zero1(model):  # ZeRO-1 on data parallelism, as PyTorch's below
-        dp = DataParallel(model, bucket_mb=25)
+        dp = DataParallel(model, bucket_mb=25, first_bucket_mb=1)
         opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
         return dp, opt, dp.finish_gradient_synchronization
 
@@ -85,7 +85,7 @@ def _time_steps(rank, world_size, name: str, steps: int) -> tuple[float, int]:
     return statistics.median(times), held.optimizer_state
 
 
-def bench_strategies(world_size: int = 4, rounds: int = 3, steps: int = 5) -> int:
+def bench_strategies(world_size: int = 4, rounds: int = 5, steps: int = 10) -> int:
     import labkit
 
     n = world_size

@@ -63,15 +63,20 @@ class DataParallel(torch.nn.Module):
     Parameters and buffers are broadcast from rank 0 at construction; tied
     weights are synced once, frozen ones never. bucket_mb: None sends one
     collective per parameter; else parameters, in reverse registration order
-    (about the order backward produces them), fill buckets of about bucket_mb MiB.
+    (about the order backward produces them), fill buckets of about bucket_mb MiB;
+    first_bucket_mb caps the first one (DDP's defaults: 25 and 1).
     broadcast_buffers: send rank 0's buffers at every forward, as DDP does.
     `events` holds this step's compute and communication spans (see events.py).
     """
 
     def __init__(self, module: torch.nn.Module, bucket_mb: float | None = None,
                  mode: str = "overlap", *, broadcast_buffers: bool = False,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None,
+                 first_bucket_mb: float | None = None):
         super().__init__()
+        if first_bucket_mb is not None and not first_bucket_mb > 0:
+            raise ValueError(
+                f"first_bucket_mb must be > 0 MiB, got {first_bucket_mb!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         if bucket_mb is not None and not bucket_mb > 0:
@@ -97,7 +102,8 @@ class DataParallel(torch.nn.Module):
         trainable = [(n, p) for n, p in unique.values() if p.requires_grad]
         self._ids = frozenset(id(p) for _, p in trainable)
         cap = None if bucket_mb is None else bucket_mb * 2**20
-        self._buckets = _make_buckets(trainable[::-1], cap)
+        first = None if first_bucket_mb is None else first_bucket_mb * 2**20
+        self._buckets = _make_buckets(trainable[::-1], cap, first)
 
         self._spans: list[Span] = []
         self._pending = False  # backward made gradients not yet averaged
@@ -270,13 +276,16 @@ def _on_grad(ref, bucket: _Bucket, param: torch.Tensor) -> None:
         dp._grad_ready(bucket)
 
 
-def _make_buckets(named, cap: float | None) -> list[_Bucket]:
-    """Fill buckets in order; close one once it holds >= cap bytes (DDP's rule)."""
+def _make_buckets(named, cap: float | None,
+                  first_cap: float | None = None) -> list[_Bucket]:
+    """Fill buckets in order; close one once it holds >= cap bytes (DDP's rule;
+    the first bucket >= first_cap, so the first all-reduce starts early)."""
     groups: list[list] = []
     size = 0.0
     for name, p in named:
         new_dtype = bool(groups) and p.dtype != groups[-1][0][1].dtype
-        if not groups or cap is None or size >= cap or new_dtype:
+        limit = first_cap if len(groups) == 1 and first_cap is not None else cap
+        if not groups or cap is None or size >= limit or new_dtype:
             groups.append([])
             size = 0.0
         groups[-1].append((name, p))
