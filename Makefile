@@ -10,7 +10,7 @@ TORCH  := torch==2.13.0
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 CELL_TIMEOUT ?= 120
 
-.PHONY: install lab book slides test lint test-lib test-notebooks bench doctor images clean-notebooks clean
+.PHONY: FORCE install lab book slides test lint test-lib test-notebooks bench doctor images clean-notebooks clean
 
 install: $(STAMP)
 
@@ -31,14 +31,27 @@ NBCONVERT := $(BIN)/jupyter nbconvert --execute \
 	--ExecutePreprocessor.timeout=$(CELL_TIMEOUT) \
 	--ExecutePreprocessor.store_widget_state=True
 
+CHAPTERS := $(wildcard notebooks/*.ipynb)
+JOBS ?= 2  # chapters executed at once (each page is its own kernel and ranks)
+
 book: install
-	$(NBCONVERT) --to html --output-dir _build/book notebooks/*.ipynb
+	$(MAKE) --no-print-directory -j$(JOBS) $(CHAPTERS:notebooks/%.ipynb=_build/book/%.html)
 	mkdir -p _build/images && cp images/*.svg _build/images/  # chapters link ../images
 
 slides: install
-	$(NBCONVERT) --to slides --output-dir _build/slides \
-		--SlidesExporter.reveal_scroll=True notebooks/*.ipynb
+	$(MAKE) --no-print-directory -j$(JOBS) \
+		$(CHAPTERS:notebooks/%.ipynb=_build/slides/%.slides.html)
 	mkdir -p _build/images && cp images/*.svg _build/images/
+
+# every page is executed afresh each time (labkit may have changed, not the chapter)
+_build/book/%.html: notebooks/%.ipynb FORCE
+	$(NBCONVERT) --to html --output-dir _build/book $<
+
+_build/slides/%.slides.html: notebooks/%.ipynb FORCE
+	$(NBCONVERT) --to slides --output-dir _build/slides \
+		--SlidesExporter.reveal_scroll=True $<
+
+FORCE:
 
 test: lint test-lib test-notebooks
 
