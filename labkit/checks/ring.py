@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from labkit.checks.common import ExerciseError, _not_written
-from labkit.runtime.results import RankError
+from labkit.checks.common import ExerciseError, run_answer
 
 
 def _contributors(value: float, n: int) -> list[int]:
@@ -30,14 +29,10 @@ def check_ring_reduce_scatter(cluster, fn, chunk_len: int = 3) -> bool:
     sum of that chunk over all ranks.
     """
     n = cluster.world_size
-    try:
-        res = cluster.run(_ring_reduce_scatter_worker, fn, chunk_len)
-    except RankError as err:
-        if _not_written(err):
-            print("not written yet: replace `raise NotImplementedError` with your "
-                  "ring steps, then run this cell again")
-            return False
-        raise
+    res = run_answer(cluster, _ring_reduce_scatter_worker, fn, chunk_len,
+                     what="ring steps")
+    if res is None:
+        return False
     everyone = (1 << n) - 1
     for rank, chunks in enumerate(res):
         c = (rank + 1) % n
