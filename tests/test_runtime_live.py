@@ -226,3 +226,18 @@ def test_a_rank_that_dies_mid_print_keeps_its_last_lines(watched):
             c.run(die)
     final, is_final = watched.frames[-1]
     assert is_final and "[rank 1] before the end" in final
+
+
+def test_a_frontend_that_fails_never_breaks_the_call(monkeypatch, capsys):
+    def broken(bundle, final=False):
+        raise RuntimeError("the frontend went away")
+
+    monkeypatch.setattr(call, "_publisher", lambda: broken)
+
+    def hello(rank, world_size):
+        print("still here")
+        return rank
+
+    with labkit.Cluster(2) as c:
+        assert c.run(hello).values == [0, 1]
+    assert capsys.readouterr().out == "[rank 0] still here\n[rank 1] still here\n"

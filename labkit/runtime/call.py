@@ -61,7 +61,7 @@ class Collector:
                 wire.send_bytes(main[r], payload)
             except OSError:
                 pass  # a dead rank: its EOF is reported below
-        finished = False
+        finished, shown = False, False
         try:
             pending = self._wait()
             busy = self._ask_status(sorted(pending)) if pending else {}
@@ -69,8 +69,8 @@ class Collector:
             finished = True
         finally:
             if self.view is not None:  # also on an interrupt: show where it stopped
-                self.view.finish(transcript if finished else self._so_far())
-        if self.view is None:
+                shown = self.view.finish(transcript if finished else self._so_far())
+        if not shown:
             write_transcript(transcript)
         if self.failed or pending:
             raise build_error(self.failed, busy, sorted(self.returned), self.timeout)

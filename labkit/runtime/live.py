@@ -84,6 +84,17 @@ class LiveView:
         self.started = time.monotonic()
         self._drawn = 0.0
         self._dirty = False
+        self.broken = False  # a frontend that failed once is not asked again
+
+    def _send(self, bundle: dict, final: bool) -> bool:
+        if self.broken:
+            return False
+        try:
+            self.publish(bundle, final)
+            return True
+        except Exception:  # noqa: BLE001  (a view must never break the call)
+            self.broken = True
+            return False
 
     # -- what arrives --------------------------------------------------------
 
@@ -105,11 +116,12 @@ class LiveView:
         """Redraw if something changed and the last redraw is REFRESH old."""
         now = time.monotonic() if now is None else now
         if self._dirty and now - self._drawn >= REFRESH:
-            self.publish(self._bundle(), False)
+            self._send(self._bundle(), False)
             self._drawn, self._dirty = now, False
 
-    def finish(self, transcript: list) -> None:
-        """The final picture: the bars as they ended, then the transcript."""
+    def finish(self, transcript: list) -> bool:
+        """The final picture: the bars as they ended, then the transcript. False
+        if the frontend failed (the caller then prints the transcript)."""
         bars = self._bars_text()
         text = "".join(t for _, t in transcript)
         red = " style='color:#b22'"
@@ -120,8 +132,9 @@ class LiveView:
         else:
             body_html = self._bars_html() + (f"<pre style='{_PRE}'>{body}</pre>"
                                              if text else "")
-        self.publish({"text/plain": "\n".join(filter(None, [bars, text.rstrip()])),
-                      "text/html": body_html}, True)
+        return self._send({"text/plain": "\n".join(filter(None, [bars,
+                                                            text.rstrip()])),
+                           "text/html": body_html}, True)
 
     # -- drawing -------------------------------------------------------------
 
