@@ -9,9 +9,10 @@ counts what a model and optimizer hold. Both count a DTensor by its local shard.
 """
 
 from labkit.ledger.holdings import Holdings, holdings
-from labkit.ledger.memory import CATEGORIES, MemoryLedger, Step, count_as, memory
+from labkit.ledger.memory import CATEGORIES, MemoryLedger, Step, memory
+from labkit.ledger.tagging import count_as, on_host
 from labkit.ledger.traffic import Record, TrafficLedger, summarize, total, traffic
 
 __all__ = ["CATEGORIES", "Holdings", "MemoryLedger", "Record", "Step",
-           "TrafficLedger", "count_as", "holdings", "memory", "summarize", "total",
-           "traffic"]
+           "TrafficLedger", "count_as", "holdings", "memory", "on_host", "summarize",
+           "total", "traffic"]

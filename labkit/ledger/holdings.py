@@ -24,6 +24,7 @@ class Holdings:
     gradients: int = 0
     optimizer_state: int = 0  # m, v, momentum ... and master weights it owns
     local_shards: bool = False  # DTensors were met: each counted by its local shard
+    host: int = 0  # held in host memory (offloaded), not in `total`
 
     @property
     def total(self) -> int:
@@ -72,6 +73,9 @@ def holdings(module: torch.nn.Module | None = None,
     buffers = list(module.buffers()) if module is not None else []
     p = _storage_bytes(params, seen)
     b = _storage_bytes(buffers, seen)
+    # offloaded state (an optimizer's `host_resident()`) is host memory, apart
+    on_host = getattr(optimizer, "host_resident", dict)().values()
+    h = _storage_bytes([t for ts in on_host for t in ts], seen)
     opt_params, state = [], []
     if optimizer is not None:
         opt_params = [q for g in optimizer.param_groups for q in g["params"]]
@@ -81,7 +85,7 @@ def holdings(module: torch.nn.Module | None = None,
     g = _storage_bytes(grads, seen)
     o = _storage_bytes(opt_params, seen)  # master weights (model params: seen)
     o += _storage_bytes(state, seen)
-    return Holdings(p, b, g, o, has_dtensor(module, optimizer))
+    return Holdings(p, b, g, o, has_dtensor(module, optimizer), h)
 
 
 def has_dtensor(*objs) -> bool:

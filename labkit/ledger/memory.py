@@ -22,6 +22,11 @@ Activation, Temp, Optstate (and Other). Refinements on top of it:
   (`local_shards` says so), padding included where FSDP2 pads uneven shards.
 - a `.grad` assigned by hand (a hand-made all-reduce) counts as Gradient from the
   next `optimizer.step()` or the end of the block (before: as it was created).
+- host memory (ZeRO-Offload's optimizer state) is kept apart, in `host` and
+  `host_peak`, never in the device categories: storages created inside `on_host()`,
+  tensors passed to `count_as(t, category, host=True)`, and what a tracked object's
+  `host_resident()` returns ({category: tensors}). On a CPU-only machine host and
+  device are one memory; the ledger still counts where the code means them to be.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from torch.optim.optimizer import (
 
 from labkit.ledger.common import Ledger, current_phase
 from labkit.ledger.holdings import Holdings, has_dtensor, holdings, storages
+from labkit.ledger.tracker import tracker_class
 
 __all__ = ["CATEGORIES", "Holdings", "MemoryLedger", "Step", "holdings", "memory"]
 
@@ -58,61 +64,6 @@ class Step:
         return sum(self.at_peak.values())
 
 
-def _tracker_class():
-    """MemTracker, subclassed to report every change to the ledger. Imported on
-    first use: it pulls in DTensor (about 2 s)."""
-    global _TRACKER
-    if _TRACKER is not None:
-        return _TRACKER
-    from torch.distributed._tools.mem_tracker import (
-        MemTracker,
-        _MemRefType,
-        _UpdateType,
-    )
-
-    class _Tracker(MemTracker):
-        def __init__(self, ledger: MemoryLedger):
-            super().__init__()
-            self._ledger = ledger
-
-        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
-            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
-            led = self._ledger
-            mem = winfo.mem_consumed
-            if u_type == _UpdateType.ADD:
-                led._change(winfo, {winfo.reftype: mem}, new=True)
-            elif u_type == _UpdateType.DEL:
-                led._change(winfo, {winfo.reftype: -mem}, gone=True)
-            elif u_type == _UpdateType.REF:
-                led._change(winfo, {old_reftype: -mem, winfo.reftype: mem})
-            elif u_type == _UpdateType.SIZE:
-                led._change(winfo, {winfo.reftype: mem - old_mem_consumed})
-
-        def _pre_fw_hook(self, module, inputs) -> None:
-            # A root module's next forward (the next step or micro-batch):
-            # MemTracker refuses it unless its per-module stats, which the ledger
-            # does not use, are reset first.
-            mt = self._mod_tracker
-            others = set(mt.parents) - {mt.get_known_fqn(module)}
-            if module in self.memory_tracking and not mt.is_bw and others == {
-                    "Global"}:
-                self.reset_mod_stats()
-            super()._pre_fw_hook(module, inputs)
-
-        def retag(self, winfo, category: str) -> None:
-            old, winfo.reftype = winfo.reftype, _MemRefType(category)
-            self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
-
-        def track_as(self, t: torch.Tensor, category: str) -> None:
-            self._update_and_maybe_create_winfos(t, _MemRefType(category))
-
-    _TRACKER = _Tracker
-    return _TRACKER
-
-
-_TRACKER = None
-
-
 class MemoryLedger(Ledger):
     """Bytes by category: `current`, `peak` (each category's own maximum),
     `at_peak` (the breakdown when the total peaked), `phase_peaks` and `steps`
@@ -120,7 +71,7 @@ class MemoryLedger(Ledger):
 
     kind = "memory"
     fields = ("current", "peak", "at_peak", "phase_peaks", "steps", "local_shards",
-              "cuda_peak")  # what pickles
+              "cuda_peak", "host", "host_peak")  # what pickles
 
     def __init__(self, *tracked):
         super().__init__()
@@ -141,6 +92,13 @@ class MemoryLedger(Ledger):
         self._step_start: dict[str, int] = {}
         self._step_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self._step_at_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        # host memory (offloaded state): bytes by category, apart from the device's
+        self.host: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.host_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self._host: dict = {}  # winfo -> its host category
+        self._host_ctx: list = []  # open on_host() blocks: category or None
+        self._step_host_new: set = set()
+        self._moving = False
 
     # -- public -----------------------------------------------------------------
 
@@ -164,11 +122,15 @@ class MemoryLedger(Ledger):
         self._claim()
         try:
             self.local_shards = has_dtensor(*self._tracked)
-            self._tracker = _tracker_class()(self)
+            self._tracker = tracker_class()(self)
             self._tracker.track_external(*self._tracked)
             for opt in self._tracked:
                 if isinstance(opt, torch.optim.Optimizer):
                     self._track_master_weights(opt)
+            for obj in self._tracked:
+                for category, ts in getattr(obj, "host_resident", dict)().items():
+                    for t in ts:
+                        self._to_host(t, category)
             self._handles = [register_optimizer_step_pre_hook(self._step_pre)]
             self._tracker.__enter__()  # registers MemTracker's own step hooks
             self._handles.append(register_optimizer_step_post_hook(self._step_post))
@@ -232,9 +194,53 @@ class MemoryLedger(Ledger):
     def _phase_entered(self) -> None:
         self._observe(self.current, self._phases[-1])  # a phase allocating nothing
 
+    def _to_host(self, t: torch.Tensor, category: str) -> None:
+        """Count `t`'s storages as host memory of `category` from now on."""
+        self._host_ctx.append(category)  # a storage first seen now: straight to host
+        self._moving = True  # a device one retagged now: not a device peak
+        try:
+            winfos = self._tracker.track_as(t, category)
+        finally:
+            self._host_ctx.pop()
+            self._moving = False
+        for winfo in winfos:
+            old, mem = self._host.get(winfo), winfo.mem_consumed
+            if old == category:
+                continue
+            if old is None:
+                self.current[winfo.reftype.value] -= mem
+            else:
+                self.host[old] -= mem
+            self._host[winfo] = category
+            self._step_host_new.discard(winfo)
+            self._apply(self.host, {category: mem})
+        self._observe_host()
+
+    def _observe_host(self) -> None:
+        for k, v in self.host.items():
+            if v > self.host_peak.get(k, 0):
+                self.host_peak[k] = v
+
     def _change(self, winfo, deltas: dict, new: bool = False, gone: bool = False):
         deltas = {str(k.value if hasattr(k, "value") else k): v for k, v in
                   deltas.items()}
+        if winfo in self._host or (new and self._host_ctx):
+            if new:  # made inside on_host(): in a step, Temp until it survives it
+                cat = self._host_ctx[-1]
+                if cat is None:
+                    cat = "Temp" if self._step_depth else "Other"
+                    if self._step_depth:
+                        self._step_host_new.add(winfo)
+                self._host[winfo] = cat
+            self._apply(self.host, {self._host[winfo]: sum(deltas.values())})
+            if gone:
+                del self._host[winfo]
+                self._step_host_new.discard(winfo)
+            self._observe_host()
+            return
+        if self._moving:  # _to_host retags a device storage: no device peak
+            self._apply(self.current, deltas)
+            return
         if self._step_depth:
             # inside optimizer.step(): new storages are Temp until they survive it
             if new and "Optstate" in deltas:
@@ -276,6 +282,7 @@ class MemoryLedger(Ledger):
         if self._step_depth == 1:
             self._step_start = dict(self.current)
             self._step_log, self._step_new, self._step_gone = [], set(), set()
+            self._step_host_new = set()
             if not self._phases:
                 self._observe(self.current, "optimizer")
             self._tag_grads([opt])
@@ -303,21 +310,15 @@ class MemoryLedger(Ledger):
         for st, (winfo, _) in list(self._tracker._WINFO.items()):
             if winfo in survivors and st.data_ptr() in grad_ptrs:
                 self._tracker.retag(winfo, "Gradient")
+        for winfo in self._step_host_new:  # host storages that survived: Optstate
+            self.host["Temp"] -= winfo.mem_consumed
+            self.host["Optstate"] += winfo.mem_consumed
+            self._host[winfo] = "Optstate"
+        self._step_host_new = set()
+        self._observe_host()
         self.steps.append(Step(dict(self._step_peak), dict(self._step_at_peak),
                                dict(self.current)))
         self._step_peak, self._step_at_peak = dict(self.current), dict(self.current)
-
-
-def count_as(t: torch.Tensor, category: str) -> None:
-    """Tell the memory ledger recording in this process (if any) that `t` is held
-    as `category` (e.g. a gradient shard kept outside any `.grad`); else nothing."""
-    if category not in CATEGORIES:
-        raise ValueError(f"category must be one of {CATEGORIES}, not {category!r}")
-    from labkit.ledger.common import recording
-
-    led = recording("memory")
-    if led is not None and getattr(led, "_tracker", None) is not None:
-        led._tracker.track_as(t, category)
 
 
 def memory(*tracked) -> MemoryLedger:

@@ -1,0 +1,111 @@
+"""Activation checkpointing (激活重计算; Chen et al. 2016, "Training Deep Nets
+with Sublinear Memory Cost"; ZeRO-R's partitioned checkpoints build on it): a
+checkpointed block keeps only its input in forward and runs its forward again in
+backward to rebuild what its backward needs. Placement semantics calls such
+activations Materialized: made when needed, never kept.
+
+    model = checkpoint(nn.Sequential(*layers), every=2)  # blocks of 2 layers
+    Checkpointed(block)  # one module
+
+Memory: a stack of L layers in blocks of k keeps L/k block inputs plus, while one
+block is rebuilt in backward, that block's k layers' activations: about L/k + k
+layers' worth (least at k = sqrt(L), Chen et al. sec. 4), not L/k. Compute: each
+checkpointed block's forward runs twice, so backward costs one more forward of
+the checkpointed part (about 2F + F for everything checkpointed, F = forward).
+
+Built on torch.utils.checkpoint with use_reentrant=False (PyTorch's recommended
+mode: works with inputs that need no grad, keyword arguments and autograd hooks);
+the random state is restored for the recompute, so dropout draws the same mask.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+from torch.utils.flop_counter import FlopCounterMode
+
+
+class Checkpointed(nn.Module):
+    """Forward: `module`'s, keeping only its inputs; backward: recompute, then
+    `module`'s backward. Same parameters (the very objects) as `module`."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():  # nothing to save: a plain forward
+            return self.module(*args, **kwargs)
+        return _torch_checkpoint(self.module, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint(model: nn.Sequential, every: int = 1, *,
+               last: bool = True) -> nn.Sequential:
+    """`model`'s layers in blocks of `every`, each block Checkpointed; a new
+    nn.Sequential over the same layer objects (so the same parameters). With
+    last=False the final block runs plainly: its activations would be rebuilt at
+    once anyway, so checkpointing it buys no memory and costs a forward."""
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"checkpoint() splits an nn.Sequential into blocks; for a "
+                        f"{type(model).__name__}, wrap the submodules you choose in "
+                        "Checkpointed(...) instead")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"every must be an integer >= 1, got {every!r}")
+    layers = list(model)
+    blocks = [layers[i:i + every] for i in range(0, len(layers), every)]
+    out = [Checkpointed(nn.Sequential(*b)) for b in blocks]
+    if not last and out:
+        out[-1] = out[-1].module
+    return nn.Sequential(*out)
+
+
+# -- what it costs: FLOPs (exact) and time (a timing, never asserted) -------------
+
+
+@dataclass(frozen=True)
+class Flops:
+    """FLOPs of one training step as FlopCounterMode counts them (matmuls,
+    convolutions, attention: 2 per multiply-add; element-wise ops are not counted)."""
+
+    forward: int
+    backward: int
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward
+
+
+def count_flops(model: nn.Module, *inputs) -> Flops:
+    """Forward and backward FLOPs of `model(*inputs).sum()`, counted apart."""
+    with FlopCounterMode(display=False) as fwd:
+        out = model(*inputs)
+    loss = out.float().sum()
+    with FlopCounterMode(display=False) as bwd:
+        loss.backward()
+    return Flops(fwd.get_total_flops(), bwd.get_total_flops())
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds for forward and backward, best of `repeats` (a timing: it varies)."""
+
+    forward: float
+    backward: float
+
+
+def time_step(model: nn.Module, *inputs, repeats: int = 3) -> StepTime:
+    """Best-of-`repeats` forward and backward times of `model(*inputs).sum()`."""
+    best_f = best_b = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        loss = model(*inputs).float().sum()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        best_f, best_b = min(best_f, t1 - t0), min(best_b, t2 - t1)
+        model.zero_grad(set_to_none=True)
+    return StepTime(best_f, best_b)

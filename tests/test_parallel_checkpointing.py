@@ -1,0 +1,117 @@
+"""labkit.parallel.checkpointing: checkpointed blocks give the plain model's
+gradients, hold fewer activations in forward (closed form below) and pay for it
+with exactly one more forward of the checkpointed layers in backward."""
+
+import pytest
+import torch
+from torch import nn
+
+import labkit.ledger as L
+from labkit.parallel.checkpointing import (
+    Checkpointed,
+    Flops,
+    StepTime,
+    checkpoint,
+    count_flops,
+    time_step,
+)
+
+B, D, LAYERS = 32, 64, 8
+UNIT = B * D * 4  # one (B, D) fp32 activation
+
+
+def _stack(dropout: float = 0.0):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(D, D), nn.ReLU()]
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+    return nn.Sequential(*layers)
+
+
+def _x():
+    return torch.randn(B, D, generator=torch.Generator().manual_seed(1))
+
+
+def _grads(model, x):
+    torch.manual_seed(2)  # dropout draws the same masks in both runs
+    model(x).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("every,last", [(2, True), (4, True), (4, False), (6, True)])
+def test_gradients_are_the_plain_models(every, last, dropout):
+    per = 3 if dropout else 2  # modules per layer
+    plain = _stack(dropout)
+    ref = _grads(plain, _x())
+    plain.zero_grad()
+    ck = checkpoint(plain, every=every * per, last=last)  # the same parameters
+    assert [id(p) for p in ck.parameters()] == [id(p) for p in plain.parameters()]
+    got = _grads(ck, _x())
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)  # bitwise: the recompute repeats the same ops
+    assert min(g.abs().max().item() for g in ref) > 0  # and they mean something
+
+
+def _forward_and_step_peaks(model):
+    x = _x()  # made outside: the ledger would count it as an activation
+    with L.memory(model) as m:
+        out = model(x)
+        forward = m.peak["Activation"]
+        out.sum().backward()
+    return forward, m.peak["Activation"]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_activation_peaks_against_the_closed_form(k):
+    # Plain: each Linear saves its input, each ReLU its output (PyTorch's ReLU keeps
+    # its result, not a separate mask) and that output is the next Linear's input:
+    # one (B, D) tensor per layer, L of them, plus the Linear output that lives
+    # until its ReLU is done: (L + 1) units at the end of forward.
+    plain_fwd, plain_step = _forward_and_step_peaks(_stack())
+    assert plain_fwd == plain_step == (LAYERS + 1) * UNIT
+    # Blocks of k layers keep only their inputs: the L/k block outputs (each the
+    # next block's input; the last is the model's output), plus the same transient.
+    ck_fwd, ck_step = _forward_and_step_peaks(checkpoint(_stack(), every=2 * k))
+    assert ck_fwd == (LAYERS // k + 1) * UNIT
+    # In backward one block at a time is rebuilt: its k layers on top of the kept
+    # L/k (Chen et al. 2016, sec. 4), and the scalar loss (8 bytes as counted).
+    assert ck_step - (LAYERS // k + k + 1) * UNIT in range(0, 16)
+    if k == 1:  # a block of one Linear + ReLU saves nothing in this stack
+        assert ck_fwd == plain_fwd
+    else:
+        assert ck_fwd < plain_fwd
+
+
+def test_recompute_costs_exactly_one_more_forward():
+    x = _x()
+    plain = count_flops(_stack(), x)
+    F = 2 * B * D * D * LAYERS  # 2 FLOPs per multiply-add, L Linear layers
+    assert plain.forward == F
+    # backward: grad of input and of weight per layer, less the first layer's input
+    # gradient (x needs none)
+    assert plain.backward == 2 * F - 2 * B * D * D
+    every = count_flops(checkpoint(_stack(), every=4), x)
+    assert every.forward == F and every.backward == plain.backward + F
+    # the last block (4 of 8 layers) run plainly: half a forward more, not one
+    lazy = count_flops(checkpoint(_stack(), every=8, last=False), x)
+    assert lazy.backward == plain.backward + F // 2
+    assert isinstance(every, Flops) and every.total == every.forward + every.backward
+
+
+def test_timing_helper_returns_times():
+    t = time_step(checkpoint(_stack(), every=4), _x(), repeats=2)
+    assert isinstance(t, StepTime) and t.forward > 0 and t.backward > 0  # a timing
+
+
+def test_checkpointed_module_and_bad_input():
+    lin = nn.Linear(D, D)
+    wrapped = Checkpointed(lin)
+    with torch.no_grad():  # nothing to save: runs plainly
+        assert torch.equal(wrapped(_x()), lin(_x()))
+    with pytest.raises(TypeError, match="Checkpointed"):
+        checkpoint(lin)
+    with pytest.raises(ValueError, match="every"):
+        checkpoint(_stack(), every=0)
