@@ -84,3 +84,12 @@ def test_correctness_conditions_explain_what_breaks():
         theory.Placement(grad_sync="broadcast")
     with pytest.raises(ValueError, match="gather_fraction"):
         theory.PLACEMENTS["DP"].cost(1e9, 8, gather_fraction=0)
+
+
+def test_offloaded_optimizer_state_never_occupies_the_device():
+    # ZeRO-Offload (Ren et al. 2021, sec. 4): the optimizer step runs on the CPU,
+    # so the device holds none of O, at rest or during the step; gradients go
+    # down and updated fp16/bf16 parameters come up: (2 + 2) Ψ / N bytes of PCIe
+    cost = theory.PLACEMENTS["ZeRO-Offload"].cost(1e9, 8)
+    assert cost.persistent["O"] == 0 and cost.peak["O"] == 0
+    assert cost.pcie == (2 + 2) * 1e9 / 8

@@ -157,6 +157,8 @@ class Placement:
             transient = {"ShardedWithGather": gather_fraction * size * (1 - 1 / n),
                          "Materialized": gather_fraction * size,
                          "Offloaded": gather_fraction * size / n}.get(mode, 0.0)
+            if state == "O" and mode == "Offloaded":
+                transient = 0.0  # ZeRO-Offload steps on the CPU: O never comes back
             if state == "A":  # activations live only inside a step
                 keep, transient = 0.0, keep + transient
             persistent[state], peak[state] = keep, keep + transient
