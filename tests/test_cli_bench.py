@@ -90,3 +90,28 @@ def test_strategy_rows_ratios_and_state_share():
     lopsided = dict(state, ShardedOptimizer=[4000, 1000, 1000, 1000])
     assert _by_name(strategy_rows(step, lopsided, 4))[
         "ShardedOptimizer: largest rank's state x N / DDP's"].status == "short"
+
+
+def test_strategy_rows_fsdp_time_and_peak_memory_ratios():
+    from labkit.cli.bench_strategies import strategy_rows
+
+    step = {"DataParallel": 1.0, "DDP": 1.0, "ShardedOptimizer": 1.0,
+            "ZeroRedundancyOptimizer": 1.0, "FullyShardedDataParallel": 1.25,
+            "FSDP2": 1.0}
+    state = {"DDP": [8000] * 4, "ShardedOptimizer": [2000] * 4,
+             "ZeroRedundancyOptimizer": [2000] * 4}
+    peak = {"FullyShardedDataParallel": [100, 104, 100, 100],
+            "FSDP2": [90, 95, 95, 95]}  # the fullest ranks: 104 / 95 = 1.095
+    rows = _by_name(strategy_rows(step, state, 4, peak))
+    assert rows["FullyShardedDataParallel / FSDP2"].status == "ok"  # 1.25 <= 1.3
+    ratio = rows["FullyShardedDataParallel / FSDP2: peak memory per rank"]
+    assert ratio.value == 104 / 95 and ratio.status == "ok"
+    fat = dict(peak, FullyShardedDataParallel=[100, 110, 100, 100])  # 1.16
+    slow = dict(step, FullyShardedDataParallel=1.4)
+    assert _by_name(strategy_rows(step, state, 4, fat))[
+        "FullyShardedDataParallel / FSDP2: peak memory per rank"].status == "short"
+    assert _by_name(strategy_rows(slow, state, 4, peak))[
+        "FullyShardedDataParallel / FSDP2"].status == "short"
+    # without FSDP's figures (an older run) the other rows stand alone
+    assert "FullyShardedDataParallel / FSDP2" not in _by_name(
+        strategy_rows({k: step[k] for k in list(step)[:4]}, state, 4))

@@ -1,7 +1,9 @@
-"""`python -m labkit bench strategies`: labkit's data parallelism and ZeRO-1 next to
-PyTorch's own on the same model, the same ranks and the same run, interleaved so
-machine noise hits both alike. Step times are timings; optimizer state is bytes
-(the memory ledger's holdings), not a timing."""
+"""`python -m labkit bench strategies`: labkit's data parallelism, ZeRO-1 and FSDP
+next to PyTorch's own (DDP, ZeroRedundancyOptimizer, FSDP2's fully_shard) on the
+same model, the same ranks and the same run, interleaved so machine noise hits
+both alike. Step times are timings; optimizer state (the memory ledger's
+holdings) and FSDP's peak memory per rank (the memory ledger's peak total over
+one untimed step) are bytes, not timings."""
 
 from __future__ import annotations
 
@@ -11,7 +13,12 @@ import statistics
 from labkit.cli.bench import Row, exit_code, table
 
 TARGETS = {"DataParallel / DDP": 1.1,
-           "ShardedOptimizer / ZeroRedundancyOptimizer": 1.2}
+           "ShardedOptimizer / ZeroRedundancyOptimizer": 1.2,
+           "FullyShardedDataParallel / FSDP2": 1.3,
+           "FullyShardedDataParallel / FSDP2: peak memory per rank": 1.1}
+PAIRS = (("DataParallel", "DDP"), ("ShardedOptimizer", "ZeroRedundancyOptimizer"),
+         ("FullyShardedDataParallel", "FSDP2"))
+MEASURED = ("FullyShardedDataParallel", "FSDP2")  # peak memory: one ledger step
 WIDTH, LAYERS, BATCH = 1024, 4, 16  # Ψ = 4 × (1024² + 1024) ≈ 4.2 M parameters
 
 
@@ -32,6 +39,7 @@ def _setups():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from labkit.parallel import DataParallel, ShardedOptimizer
+    from labkit.parallel.fsdp import FullyShardedDataParallel
 
     def labkit_dp(model):
         dp = DataParallel(model, bucket_mb=25, first_bucket_mb=1)  # DDP's defaults
@@ -52,13 +60,32 @@ def _setups():
         opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.Adam, lr=1e-3)
         return ddp, opt, None
 
+    def labkit_fsdp(model):
+        fsdp = FullyShardedDataParallel(model)  # every Linear a unit, prefetch on
+        opt = torch.optim.Adam(fsdp.parameters(), lr=1e-3)
+        return fsdp, opt, fsdp.finish_gradient_synchronization
+
+    def torch_fsdp2(model):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        for layer in model:  # each Linear, then the root: as ours above
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3), None
+
     return {"DataParallel": labkit_dp, "DDP": torch_ddp,
-            "ShardedOptimizer": labkit_zero1, "ZeroRedundancyOptimizer": torch_zero1}
+            "ShardedOptimizer": labkit_zero1, "ZeroRedundancyOptimizer": torch_zero1,
+            "FullyShardedDataParallel": labkit_fsdp, "FSDP2": torch_fsdp2}
 
 
-def _time_steps(rank, world_size, name: str, steps: int) -> tuple[float, int]:
-    """Median seconds per training step of `name` on this rank, and the bytes of
-    optimizer state it holds after them."""
+def _time_steps(rank, world_size, name: str,
+                steps: int) -> tuple[float, int, int | None]:
+    """Median seconds per training step of `name` on this rank, the bytes of
+    optimizer state it holds after them, and (FSDP's two only) the peak total
+    bytes of one more, untimed, step under the memory ledger."""
     import time
 
     import torch
@@ -69,20 +96,28 @@ def _time_steps(rank, world_size, name: str, steps: int) -> tuple[float, int]:
     module, opt, sync = _setups()[name](_model())
     torch.manual_seed(rank)
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
-    times = []
-    for i in range(steps + 1):  # the first step builds state and buckets: not timed
-        dist.barrier()
-        t = time.perf_counter()
+    def step():
         torch.nn.functional.mse_loss(module(x), y).backward()
         if sync is not None:
             sync()
         opt.step()
         opt.zero_grad()
+
+    times = []
+    for i in range(steps + 1):  # the first step builds state and buckets: not timed
+        dist.barrier()
+        t = time.perf_counter()
+        step()
         if i:
             times.append(time.perf_counter() - t)
+    peak = None
+    if name in MEASURED:
+        with ledger.memory(module, opt) as m:
+            step()
+        peak = m.steps[-1].peak_total
     # ZeroRedundancyOptimizer keeps its shard's state in the optimizer it wraps
     held = ledger.holdings(module, getattr(opt, "optim", opt))
-    return statistics.median(times), held.optimizer_state
+    return statistics.median(times), held.optimizer_state, peak
 
 
 def bench_strategies(world_size: int = 4, rounds: int = 5, steps: int = 10) -> int:
@@ -93,29 +128,32 @@ def bench_strategies(world_size: int = 4, rounds: int = 5, steps: int = 10) -> i
           f"{LAYERS} x Linear({WIDTH}, {WIDTH}), Adam (step times are timings)")
     names = list(_setups())
     seconds = {k: [] for k in names}
-    state = {}
+    state, peak = {}, {}
     with labkit.Cluster(n, timeout=600) as c:
         for r in range(rounds):  # interleaved: each round runs every strategy once
             print(f"  … round {r + 1} of {rounds}", flush=True)
             for name in names:
                 res = c.run(_time_steps, name, steps)
-                seconds[name].append(max(s for s, _ in res))  # the slowest rank
-                state[name] = [b for _, b in res]
+                seconds[name].append(max(s for s, _, _ in res))  # slowest rank
+                state[name] = [b for _, b, _ in res]
+                if name in MEASURED:
+                    peak[name] = [p for _, _, p in res]
     rows = strategy_rows({k: statistics.median(v) for k, v in seconds.items()},
-                         state, n)
+                         state, n, peak)
     print()
     print(table(rows))
     return exit_code(rows)
 
 
 def strategy_rows(step_s: dict[str, float], state: dict[str, list[int]],
-                  n: int) -> list[Row]:
-    """Rows: each step time, the two ratios with targets, and optimizer state."""
+                  n: int, peak: dict[str, list[int]] | None = None) -> list[Row]:
+    """Rows: each step time, the step-time ratios with targets (a pair whose two
+    strategies both ran), optimizer state, and FSDP's peak memory per rank."""
     rows = [Row(f"{k} step, median of rounds", v) for k, v in step_s.items()]
-    for ours, theirs in (("DataParallel", "DDP"),
-                         ("ShardedOptimizer", "ZeroRedundancyOptimizer")):
-        rows.append(Row(f"{ours} / {theirs}", step_s[ours] / step_s[theirs],
-                        TARGETS[f"{ours} / {theirs}"], unit="x"))
+    for ours, theirs in PAIRS:
+        if ours in step_s and theirs in step_s:
+            rows.append(Row(f"{ours} / {theirs}", step_s[ours] / step_s[theirs],
+                            TARGETS[f"{ours} / {theirs}"], unit="x"))
     full = max(state["DDP"])
     for k in ("ShardedOptimizer", "ZeroRedundancyOptimizer"):
         worst = max(state[k])
@@ -123,4 +161,12 @@ def strategy_rows(step_s: dict[str, float], state: dict[str, list[int]],
                         unit="x"))
     rows.append(Row("ShardedOptimizer: largest rank's state x N / DDP's",
                     max(state["ShardedOptimizer"]) * n / full, 1.001, unit="x"))
+    if peak and all(k in peak for k in MEASURED):
+        ours, theirs = (max(peak[k]) for k in MEASURED)  # the fullest rank of each
+        rows.append(Row("FullyShardedDataParallel peak memory, fullest rank",
+                        ours / 2**20, unit="MiB"))
+        rows.append(Row("FSDP2 peak memory, fullest rank", theirs / 2**20,
+                        unit="MiB"))
+        name = "FullyShardedDataParallel / FSDP2: peak memory per rank"
+        rows.append(Row(name, ours / theirs, TARGETS[name], unit="x"))
     return rows

@@ -4,7 +4,9 @@ or transform over a plain nn.Module, each checked against single-process trainin
 May import theory, ledger and runtime. data_parallel (naive, overlapped and
 bucketed all-reduce, and the parameter server), events (compute and communication
 spans, and how much of one hides the other), precision (bf16 compute with fp32
-master weights), zero (ZeRO-1/2: optimizer state and gradients sharded),
+master weights), zero (ZeRO-1/2: optimizer state and gradients sharded), fsdp (ZeRO-3:
+parameters sharded too, gathered per module; fsdp_hooks its autograd side),
+guards (the device and optimizer-step checks every wrapper makes),
 checkpointing (recompute activations in backward), offload (optimizer state and
 its step in host memory, ZeRO-Offload).
 """
@@ -19,10 +21,12 @@ from labkit.parallel.checkpointing import (
 )
 from labkit.parallel.data_parallel import DataParallel
 from labkit.parallel.events import Span, overlap_fraction
+from labkit.parallel.fsdp import FullyShardedDataParallel
 from labkit.parallel.offload import OffloadedOptimizer, Transfer
 from labkit.parallel.precision import MasterWeights
 from labkit.parallel.zero import ShardedOptimizer
 
-__all__ = ["Checkpointed", "DataParallel", "Flops", "MasterWeights",
+__all__ = ["Checkpointed", "DataParallel", "Flops", "FullyShardedDataParallel",
+           "MasterWeights",
            "OffloadedOptimizer", "ShardedOptimizer", "Span", "StepTime", "Transfer",
            "checkpoint", "count_flops", "overlap_fraction", "time_step"]

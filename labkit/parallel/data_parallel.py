@@ -31,14 +31,12 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_leaves
 
+from labkit.parallel import guards
 from labkit.parallel.events import Span
 
 MODES = ("overlap", "naive", "parameter_server")
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # instances the optimizer hook checks
-_STEP_HOOK = None  # one global optimizer pre-step hook while any instance lives
 
 
 @dataclass(eq=False)
@@ -91,7 +89,7 @@ class DataParallel(torch.nn.Module):
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        _check_devices(module, self.group)
+        guards.check_devices(module, self.group, "DataParallel")
 
         unique: dict[int, tuple[str, torch.nn.Parameter]] = {}  # tied: synced once
         for name, p in module.named_parameters(remove_duplicate=False):
@@ -113,8 +111,8 @@ class DataParallel(torch.nn.Module):
         ref = weakref.ref(self)  # hooks must not keep this wrapper alive
         handles = [p.register_post_accumulate_grad_hook(partial(_on_grad, ref, b))
                    for b in self._buckets for p in b.params]
-        _track(self)
-        self._finalizer = weakref.finalize(self, _release, handles)
+        guards.track(self)
+        self._finalizer = weakref.finalize(self, guards.release, handles)
 
     # -- public ------------------------------------------------------------------
 
@@ -145,6 +143,18 @@ class DataParallel(torch.nn.Module):
         return out
 
     @torch.no_grad()
+    def step_problem(self) -> str | None:
+        """Why an optimizer step on this wrapper's parameters would be wrong now."""
+        if self._pending:
+            return ("DataParallel: call finish_gradient_synchronization() before "
+                    "optimizer.step(): this rank's gradients are not yet averaged "
+                    f"over the {self.world_size} ranks")
+        if self.mode == "parameter_server" and self.rank != 0:
+            return (f"DataParallel(mode='parameter_server'): rank {self.rank} is a "
+                    "worker; only rank 0, the server, calls optimizer.step(). "
+                    "Workers call broadcast_parameters() to receive its weights.")
+        return None
+
     def finish_gradient_synchronization(self) -> None:
         """Wait for every gradient's collective and average.
 
@@ -192,7 +202,7 @@ class DataParallel(torch.nn.Module):
 
     def close(self) -> None:
         """Remove this wrapper's hooks now (they also go when it is collected)."""
-        _LIVE.discard(self)
+        guards.forget(self)
         self._finalizer()
 
     def extra_repr(self) -> str:
@@ -292,53 +302,3 @@ def _make_buckets(named, cap: float | None,
         size += p.numel() * p.element_size()
     return [_Bucket(i, [p for _, p in g], [n for n, _ in g])
             for i, g in enumerate(groups)]
-
-
-def _check_devices(module: torch.nn.Module, group) -> None:
-    backend = str(dist.get_backend(group))  # "gloo", "nccl", "cpu:gloo,cuda:nccl"
-    ok = ({pair.split(":")[0] for pair in backend.split(",")} if ":" in backend
-          else {"cuda"} if backend == "nccl" else {"cpu"})  # gloo: CPU, here
-    for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        if t.device.type not in ok:
-            fix = ("a meta tensor has no data: materialize the module first"
-                   if t.device.type == "meta" else "move the module there first")
-            raise ValueError(
-                f"DataParallel: {name!r} is on device {t.device}, but the "
-                f"{backend} process group sends {' or '.join(sorted(ok))} "
-                f"tensors; {fix}")
-
-
-# -- the optimizer check: no step on gradients that are not yet averaged --------
-
-def _check_step(opt, args, kwargs) -> None:
-    ids = {id(p) for g in opt.param_groups for p in g["params"]}
-    for dp in list(_LIVE):
-        if ids.isdisjoint(dp._ids):
-            continue
-        if dp._pending:
-            raise RuntimeError(
-                "DataParallel: call finish_gradient_synchronization() before "
-                "optimizer.step(): this rank's gradients are not yet averaged over "
-                f"the {dp.world_size} ranks")
-        if dp.mode == "parameter_server" and dp.rank != 0:
-            raise RuntimeError(
-                f"DataParallel(mode='parameter_server'): rank {dp.rank} is a "
-                "worker; only rank 0, the server, calls optimizer.step(). Workers "
-                "call broadcast_parameters() to receive its weights.")
-
-
-def _track(dp: DataParallel) -> None:
-    global _STEP_HOOK
-    _LIVE.add(dp)
-    if _STEP_HOOK is None:
-        _STEP_HOOK = register_optimizer_step_pre_hook(_check_step)
-
-
-def _release(handles) -> None:
-    """Remove an instance's hooks; the global one too once no instance lives."""
-    global _STEP_HOOK
-    for h in handles:
-        h.remove()
-    if _STEP_HOOK is not None and not any(True for _ in _LIVE):
-        _STEP_HOOK.remove()
-        _STEP_HOOK = None

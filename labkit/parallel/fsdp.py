@@ -1,0 +1,339 @@
+"""Fully sharded data parallelism (全分片数据并行), ZeRO stage 3 (Rajbhandari et al.
+2020, sec. 5.3; PyTorch FSDP, Zhao et al. 2023, VLDB): each of N ranks keeps 1/N
+of every parameter, its gradient and (with any optimizer) its optimizer state.
+A wrapped module gathers its parameters just before it computes and frees them
+right after: gather, compute, free.
+
+    fsdp = FullyShardedDataParallel(model)          # rank 0's weights, sharded
+    opt = torch.optim.Adam(fsdp.parameters())       # steps this rank's shards
+    loss_fn(fsdp(x), y).backward()                  # gathers, reduce-scatters
+    fsdp.finish_gradient_synchronization()          # wait: shard.grad averaged
+    opt.step()
+
+Layout: each parameter is flattened, zero-padded to N*s elements (s = ceil(numel
+/ N)), and rank r keeps [r*s, (r+1)*s) as a 1-D nn.Parameter of s elements, under
+the parameter's own name (`model.named_parameters()` lists the shards).
+
+A unit is a module `wrap(module)` selects (default: every module with parameters
+of its own); it owns its parameters not owned by a unit inside it. A parameter
+registered in several modules (tied weights) belongs to the innermost unit that
+holds every registration (often the root). Parameters of no unit stay replicated:
+broadcast from rank 0, gradients all-reduced (averaged) in finish.
+
+Per unit and step (bytes per rank, Ψ padded elements, 4-byte fp32):
+forward: all-gather, compute, free                 (N-1)/N · 4Ψ
+backward: all-gather (when its output's gradient arrives), compute, free,
+reduce-scatter its gradients into shard.grad      2 × (N-1)/N · 4Ψ
+prefetch=True issues the next unit's all-gather (async_op=True) before this one
+computes: the next in forward, the previous in backward (order of the first
+forward). compute_dtype=bfloat16 gathers and computes in bf16; the shards, their
+gradients and the reduce-scatter's sum stay fp32 (the gradient crosses the wire
+in bf16, the N pieces are summed in fp32: see fsdp_hooks.py).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_leaves, tree_map
+
+from labkit.parallel import fsdp_hooks as H
+from labkit.parallel import guards
+from labkit.parallel.events import Span
+
+
+def has_own_parameters(m: torch.nn.Module) -> bool:
+    """The default `wrap`: a module with parameters of its own."""
+    return any(True for _ in m.parameters(recurse=False))
+
+
+class FullyShardedDataParallel(torch.nn.Module):
+    """ZeRO-3 over the ranks of `group` (default: all). `events` holds this step's
+    spans: compute per unit (between hooks), all-gather issue→done, reduce-scatter
+    issue→done. `units` names the wrapped modules, in forward order.
+
+    With compute_dtype, a unit's floating inputs are cast to it; replicated
+    modules keep their own dtype. A unit with a frozen parameter stays gathered
+    until backward ends (backward may still need it after its gradients are in).
+    Two backwards before finish accumulate into shard.grad."""
+
+    def __init__(self, module: torch.nn.Module, compute_dtype: torch.dtype | None =
+                 None, wrap=None, prefetch: bool = True, group=None):
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "FullyShardedDataParallel needs a torch.distributed process group: "
+                "build it inside a function you run on the ranks (cluster.run(fn)).")
+        if compute_dtype is not None and not compute_dtype.is_floating_point:
+            raise ValueError(f"compute_dtype must be a floating dtype (e.g. "
+                             f"torch.bfloat16), not {compute_dtype}")
+        self.module, self.prefetch = module, prefetch
+        self.compute_dtype = compute_dtype
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = n = dist.get_world_size(self.group)
+        guards.check_devices(module, self.group, "FullyShardedDataParallel")
+
+        with torch.no_grad():  # every rank starts from rank 0's state
+            for t in [*_unique_parameters(module), *module.buffers()]:
+                dist.broadcast(t, group=self.group, group_src=0)
+        owned, self._replicated = H.assign(module, wrap or has_own_parameters)
+        self._units: list[H.Unit] = []
+        for path, m, plist in owned:
+            sharded = []
+            for names, slots, p in plist:
+                sh = H.make_sharded(names, slots, p, n, self.rank,
+                                    compute_dtype or p.dtype)
+                for mod, attr in sh.slots:
+                    mod._parameters[attr] = sh.shard
+                sharded.append(sh)
+            self._units.append(H.Unit(path or "(root)", m, sharded))
+        if not self._units:
+            raise ValueError(
+                "FullyShardedDataParallel: `wrap` selected no module that owns a "
+                "parameter, so nothing would be sharded; select some modules (the "
+                "default wraps every module with parameters of its own)")
+
+        self._ids = frozenset([id(p.shard) for u in self._units for p in u.params]
+                              + [id(p) for p in self._replicated])
+        self._order: list[H.Unit] = []  # forward order, from the first forward
+        self._spans: list[Span] = []
+        self._reductions: list[H.Reduction] = []
+        self._stack: list[H.Unit] = []  # units whose forward is running
+        self._pending = False  # backward ran; finish not yet called
+        self._task = -1
+        self._clock: float | None = None  # start of the compute now running
+        self._label = ""
+        ref = weakref.ref(self)  # hooks must not keep this wrapper alive
+        handles = []
+        for u in self._units:
+            handles.append(u.module.register_forward_pre_hook(
+                _call(ref, "_pre_forward", u), with_kwargs=True))
+            handles.append(u.module.register_forward_hook(_call(ref, "_post_forward",
+                                                                u)))
+            for p in u.trainable:
+                handles.append(p.leaf.register_post_accumulate_grad_hook(
+                    _call(ref, "_grad_ready", u)))
+        guards.track(self)
+        self._finalizer = weakref.finalize(self, guards.release, handles)
+
+    # -- public ------------------------------------------------------------------
+
+    @property
+    def events(self) -> list[Span]:
+        """This step's spans (this rank's clock); cleared when a new step starts."""
+        return list(self._spans)
+
+    @property
+    def units(self) -> list[str]:
+        return [u.name for u in (self._order or self._units)]
+
+    def forward(self, *args, **kwargs):
+        if not self._pending:  # a new step: forget the last one's spans
+            self._spans = []
+        for u in self._units:
+            u.ran = False
+        self._clock, self._label = time.perf_counter(), "(outside units)"
+        out = self.module(*args, **kwargs)
+        self._tick()
+        self._clock = None  # the loss, outside: not ours to time
+        for u in self._units:  # prefetched but never run (a skipped branch)
+            H.wait_gather(u, self._spans)
+            if u.state == "full":
+                H.free(u)
+        if torch.is_grad_enabled():  # the first output gradient starts backward
+            hook = _call(weakref.ref(self), "_backward_started", None)
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(hook)
+        return out
+
+    @torch.no_grad()
+    def step_problem(self) -> str | None:
+        """Why an optimizer step on this wrapper's parameters would be wrong now."""
+        if self._pending:
+            return ("FullyShardedDataParallel: call finish_gradient_synchronization() "
+                    "before optimizer.step(): this rank's shard gradients are not yet "
+                    f"reduce-scattered over the {self.world_size} ranks")
+        return None
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every reduce-scatter; average the replicated parameters'
+        gradients. Every trainable shard then has an fp32 .grad of its shape."""
+        self._fold()
+        for p in self._replicated:
+            if p.requires_grad:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                t0 = time.perf_counter()
+                dist.all_reduce(p.grad, group=self.group)
+                p.grad.div_(self.world_size)
+                self._spans.append(Span("comm", "all_reduce (replicated)", t0,
+                                        time.perf_counter(), p.grad.nbytes))
+        for u in self._units:
+            for p in u.trainable:
+                if p.shard.grad is None:
+                    p.shard.grad = torch.zeros_like(p.shard)
+        self._pending, self._task = False, -1
+
+    @torch.no_grad()
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """{name: the whole parameter, fp32, original shape} for every name
+        (tied weights under each of theirs). Collective: call it on every rank."""
+        out = {}
+        for u in self._units:
+            for p in u.params:
+                full = p.shard.new_empty(self.world_size * p.s)
+                dist.all_gather_single(full, p.shard.detach(), group=self.group)
+                for name in p.names:
+                    out[name] = full[:p.numel].view(p.shape).clone()
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if name not in out:
+                out[name] = p.detach().clone()
+        return out
+
+    def close(self) -> None:
+        """Remove this wrapper's hooks now (they also go when it is collected)."""
+        guards.forget(self)
+        self._finalizer()
+
+    def extra_repr(self) -> str:
+        return (f"units={len(self._units)}, replicated={len(self._replicated)}, "
+                f"world_size={self.world_size}, prefetch={self.prefetch}, "
+                f"compute_dtype={self.compute_dtype}")
+
+    # -- forward -----------------------------------------------------------------
+
+    def _tick(self, label: str | None = None) -> None:
+        """Close the compute span running since the last hook."""
+        now = time.perf_counter()
+        if self._clock is not None and now > self._clock:
+            self._spans.append(Span("compute", self._label, self._clock, now))
+        if label is not None:
+            self._label = label
+
+    def _restart_clock(self) -> None:
+        if self._clock is not None:
+            self._clock = time.perf_counter()
+
+    def _gather(self, u: H.Unit) -> None:
+        if u.state == "free":
+            H.issue_gather(u, self.group)
+        H.wait_gather(u, self._spans)
+
+    def _prefetch(self, candidates) -> None:
+        if self.prefetch:
+            nxt = next((v for v in candidates if not v.ran and v.state == "free"),
+                       None)
+            if nxt is not None:
+                H.issue_gather(nxt, self.group)
+
+    def _pre_forward(self, u: H.Unit, module, args, kwargs):
+        self._tick(f"forward {u.name}")
+        if u not in self._order:
+            self._order.append(u)
+        u.ran = True
+        self._gather(u)
+        for p in u.params:
+            for mod, attr in p.slots:
+                mod._parameters[attr] = p.leaf
+        self._stack.append(u)
+        i = self._order.index(u)
+        self._prefetch(self._order[i + 1:])
+        self._restart_clock()
+        if self.compute_dtype is not None:
+            cast = lambda t: (t.to(self.compute_dtype)  # noqa: E731
+                              if isinstance(t, torch.Tensor)
+                              and t.is_floating_point() else t)
+            return tree_map(cast, args), tree_map(cast, kwargs)
+        return None
+
+    def _post_forward(self, u: H.Unit, module, args, out):
+        self._tick()
+        self._stack.remove(u)
+        for p in u.params:
+            for mod, attr in p.slots:
+                mod._parameters[attr] = p.shard
+        H.free(u)
+        if torch.is_grad_enabled():  # its output's gradient: its backward is next
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(_call(weakref.ref(self), "_pre_backward", u))
+        self._label = f"forward {self._stack[-1].name}" if self._stack else \
+            "(outside units)"
+        self._restart_clock()
+
+    # -- backward ----------------------------------------------------------------
+
+    def _backward_started(self, _=None, grad=None) -> None:
+        """Called by every backward hook; acts once per backward (graph task)."""
+        task = torch._C._current_graph_task_id()
+        if task == self._task:
+            return
+        self._task = task
+        if not self._pending:
+            self._pending = True
+        for u in self._units:
+            u.ran, u.ready, u.reduced = False, 0, False
+        self._clock, self._label = time.perf_counter(), "backward"
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
+    def _pre_backward(self, u: H.Unit, grad):
+        self._backward_started()
+        if u.ran:  # a second output of the same unit
+            return None
+        self._tick(f"backward {u.name}")
+        u.ran = True
+        self._fold()  # the last unit's reduce-scatter: its buffers go before this
+        self._gather(u)  # unit's gradients arrive (a lower peak)
+        self._prefetch(self._order[::-1])
+        self._restart_clock()
+        return None
+
+    def _grad_ready(self, u: H.Unit, leaf) -> None:
+        self._tick()
+        u.ready += 1
+        if u.ready == len(u.trainable):
+            if len(u.trainable) == len(u.params):  # no frozen one still needed
+                H.free(u)  # before the reduce-scatter allocates: a lower peak
+            self._reduce(u)
+        self._restart_clock()
+
+    @torch.no_grad()
+    def _reduce(self, u: H.Unit) -> None:
+        self._fold()  # at most one unit's reduce-scatters in flight
+        self._reductions = [H.launch_reduce(p, self.group, self.world_size,
+                                            u.name) for p in u.trainable]
+        u.reduced = True
+
+    def _fold(self) -> None:
+        for r in self._reductions:
+            H.fold(r, self.world_size, self._spans)
+        self._reductions = []
+
+    def _backward_ended(self) -> None:
+        self._tick()
+        self._clock = None
+        for u in self._units:  # a parameter unused in this forward: zeros
+            if u.ready and not u.reduced:
+                self._reduce(u)
+            H.wait_gather(u, self._spans)
+            if u.state == "full":
+                H.free(u)
+        self._task = -1
+
+
+def _unique_parameters(module):
+    return list({id(p): p for _, p in module.named_parameters()}.values())
+
+
+def _call(ref, method: str, u):
+    """A hook that calls `method` of the wrapper if it still lives."""
+    def hook(*args, **kwargs):
+        f = ref()
+        if f is not None:
+            return getattr(f, method)(u, *args, **kwargs)
+    return hook

@@ -1,0 +1,199 @@
+"""FSDP's pieces (fsdp.py's helper): a sharded parameter, a unit (the parameters a
+wrapped module gathers together), the all-gather and the reduce-scatter, and the
+optimizer check.
+
+The gathered parameter is a tensor `leaf` whose storage is freed by resizing it
+to 0 bytes and refilled before backward: autograd saved views of `leaf` in forward
+(a Linear saves weight.t()), and those views see the refilled storage. Writes go
+through `full`, a second tensor on the same storage with its own version counter,
+so autograd's "modified by an inplace operation" check never fires.
+
+Reduce-scatter is an all-to-all and a local sum, as in zero_buckets.py: gloo's
+own reduce_scatter sends all-reduce bytes. The sum runs in fp32 on the receiver,
+so a bf16 gradient crosses the wire in bf16 and is still summed in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from labkit.ledger import count_as
+from labkit.parallel.events import Span
+
+
+def assign(module: torch.nn.Module, wrap):
+    """Which unit owns which parameter: [(path, module, [(names, slots, p)])] for
+    the modules `wrap` selects, in module order, and the replicated parameters.
+    A parameter belongs to the innermost selected module holding every module
+    that registers it (a tied weight: their common ancestor, if selected)."""
+    regs = defaultdict(list)  # id(p) -> [(name, module path, module, attribute)]
+    params = {}
+    for path, mod in module.named_modules():
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                regs[id(p)].append((f"{path}.{attr}" if path else attr, path, mod,
+                                    attr))
+                params[id(p)] = p
+    selected = [(path, m) for path, m in module.named_modules() if wrap(m)]
+    owned, replicated = defaultdict(list), []
+    for key, rs in regs.items():
+        holders = [path for path, _ in selected
+                   if all(_inside(r[1], path) for r in rs)]
+        if holders:
+            owned[max(holders, key=len)].append(
+                ([r[0] for r in rs], [(r[2], r[3]) for r in rs], params[key]))
+        else:
+            replicated.append(params[key])
+    return [(path, m, owned[path]) for path, m in selected if owned[path]], \
+        replicated
+
+
+def _inside(path: str, ancestor: str) -> bool:
+    return ancestor == "" or path == ancestor or path.startswith(ancestor + ".")
+
+
+@dataclass(eq=False)
+class Sharded:
+    """One parameter, flattened, zero-padded to N*s elements; this rank keeps
+    elements [r*s, (r+1)*s) as `shard`, the nn.Parameter the module holds."""
+
+    names: list  # every name it is registered under (tied: more than one)
+    slots: list  # (module, attribute) of each registration
+    shape: torch.Size
+    numel: int
+    s: int
+    shard: torch.nn.Parameter  # (s,) fp32
+    full: torch.Tensor  # (N*s,) compute dtype; 0 bytes while not gathered
+    leaf: torch.Tensor  # full[:numel] in `shape`: what forward sees
+
+    @property
+    def trainable(self) -> bool:
+        return self.shard.requires_grad
+
+
+def make_sharded(names, slots, p: torch.Tensor, n: int, r: int,
+                 dtype: torch.dtype) -> Sharded:
+    numel = p.numel()
+    s = math.ceil(numel / n)
+    padded = p.detach().new_zeros(n * s)
+    padded[:numel] = p.detach().reshape(-1)
+    shard = torch.nn.Parameter(padded[r * s:(r + 1) * s].clone(),
+                               requires_grad=p.requires_grad)
+    full = torch.empty(n * s, dtype=dtype, device=p.device)
+    stride = torch.empty(p.shape, device="meta").stride()
+    leaf = torch.empty(0, dtype=dtype, device=p.device).set_(
+        full.untyped_storage(), 0, p.shape, stride)
+    leaf.requires_grad_(p.requires_grad)
+    full.untyped_storage().resize_(0)
+    return Sharded(list(names), list(slots), p.shape, numel, s, shard, full, leaf)
+
+
+@dataclass(eq=False)
+class Unit:
+    """The parameters one wrapped module gathers before its forward and backward."""
+
+    name: str
+    module: torch.nn.Module
+    params: list
+    state: str = "free"  # "free", "gathering" (async, in flight), "full"
+    works: list = field(default_factory=list)
+    issued: float = 0.0
+    done: object = None  # future of the completion time
+    ran: bool = False  # its forward ran (this forward) / backward began (backward)
+    ready: int = 0  # gradients accumulated in this backward
+    reduced: bool = False
+
+    @property
+    def trainable(self) -> list:
+        return [p for p in self.params if p.trainable]
+
+
+def issue_gather(u: Unit, group) -> None:
+    """Start (async_op=True) the all-gather of every shard of `u` into its `full`
+    buffer, cast to its dtype; `wait_gather` completes it."""
+    u.issued = time.perf_counter()
+    u.works = []
+    for p in u.params:
+        p.full.untyped_storage().resize_(p.full.numel() * p.full.element_size())
+        src = p.shard.detach().to(p.full.dtype)  # a copy only when casting
+        u.works.append(dist.all_gather_single(p.full, src, group=group,
+                                              async_op=True))
+    futures = torch.futures.collect_all([w.get_future() for w in u.works])
+    u.done = futures.then(_completed_at)
+    u.state = "gathering"
+
+
+def wait_gather(u: Unit, spans: list) -> None:
+    if u.state != "gathering":
+        return
+    for w in u.works:
+        w.wait()
+    nbytes = sum(p.full.nbytes for p in u.params)
+    spans.append(Span("comm", f"all_gather {u.name}", u.issued, u.done.wait(),
+                      nbytes))
+    for p in u.params:
+        count_as(p.full, "Parameter")  # gathered: a parameter while it is whole
+    u.works, u.done, u.state = [], None, "full"
+
+
+def free(u: Unit) -> None:
+    for p in u.params:
+        p.full.untyped_storage().resize_(0)
+    u.state = "free"
+
+
+def _completed_at(fut) -> float:
+    fut.value()  # re-raises a failed collective's error
+    return time.perf_counter()
+
+
+@dataclass(eq=False)
+class Reduction:
+    """One parameter's reduce-scatter in flight: sent, received, when."""
+
+    p: Sharded
+    send: torch.Tensor
+    got: torch.Tensor
+    work: object
+    done: object
+    issued: float
+    name: str
+
+
+def launch_reduce(p: Sharded, group, n: int, name: str) -> Reduction:
+    """Send p's full gradient (zeros if it has none), 1/N to each rank; free it."""
+    g = p.leaf.grad
+    if g is not None and p.numel == n * p.s:
+        send = g.reshape(-1)
+    else:
+        send = p.full.new_zeros(n * p.s)
+        if g is not None:
+            send[:p.numel] = g.reshape(-1)
+    p.leaf.grad = None
+    got = torch.empty_like(send)
+    t0 = time.perf_counter()
+    work = dist.all_to_all_single(got, send, group=group, async_op=True)
+    return Reduction(p, send, got, work, work.get_future().then(_completed_at), t0,
+                     name)
+
+
+@torch.no_grad()
+def fold(r: Reduction, n: int, spans: list) -> None:
+    """Wait; average the N pieces received, in fp32, into this rank's shard.grad."""
+    r.work.wait()
+    spans.append(Span("comm", f"reduce_scatter {r.name}", r.issued, r.done.wait(),
+                      r.send.nbytes))
+    mine = r.got.view(n, r.p.s).to(torch.float32).sum(0).div_(n)
+    shard = r.p.shard
+    if shard.grad is None:
+        shard.grad = mine
+    else:
+        shard.grad += mine
+    count_as(shard.grad, "Gradient")
+    r.send = r.got = r.work = r.done = None
