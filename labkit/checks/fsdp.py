@@ -1,0 +1,123 @@
+"""Chapter 07's check: the ZeRO-3 forward hook pair (gather before, free after)."""
+
+from __future__ import annotations
+
+from labkit.checks.common import ExerciseError, run_answer
+
+IN, OUT = 10, 7  # a Linear whose weight (70) and bias (7) are not multiples of 4
+
+
+def _layer_and_shards(rank: int, n: int):
+    """The full Linear (the same in every process) and this rank's padded 1-D
+    shards of its weight and bias: {name: s elements}, s = ceil(numel / n)."""
+    import torch
+
+    torch.manual_seed(0)
+    full = torch.nn.Linear(IN, OUT)
+    shards, shapes = {}, {}
+    for name, p in full.named_parameters():
+        s = -(-p.numel() // n)
+        flat = torch.zeros(n * s)
+        flat[:p.numel()] = p.detach().flatten()
+        shards[name], shapes[name] = flat[rank * s:(rank + 1) * s].clone(), p.shape
+    return full, shards, shapes
+
+
+def _held(layer) -> dict[str, int]:
+    """Elements of every tensor the layer keeps as an attribute or parameter."""
+    import torch
+
+    out = {k: v.numel() for k, v in layer._parameters.items() if v is not None}
+    out.update({k: v.numel() for k, v in vars(layer).items()
+                if isinstance(v, torch.Tensor) and v.untyped_storage().nbytes()})
+    return out
+
+
+def _hooks_worker(rank, world_size, fn):
+    import torch
+
+    from labkit.ledger import traffic
+
+    full, shards, shapes = _layer_and_shards(rank, world_size)
+    layer = torch.nn.Linear(IN, OUT)
+    for name in shapes:
+        delattr(layer, name)  # the layer starts with nothing of its own
+    pre, post = fn(layer, shards, shapes)
+    seen = {}
+
+    def look(module, args):  # runs after the student's pre-hook
+        seen.update({n: getattr(module, n, None) for n in shapes})
+        seen.update({n: None if t is None else t.detach().clone()
+                     for n, t in seen.items()})
+
+    layer.register_forward_pre_hook(pre)
+    layer.register_forward_pre_hook(look)
+    layer.register_forward_hook(post)
+    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(10 + rank))
+    out = None
+    with torch.no_grad(), traffic() as t:
+        try:
+            out = layer(x)
+        except RuntimeError as err:  # e.g. a gathered weight of the wrong shape
+            if not seen:
+                raise
+            out = err
+    return {"seen": seen, "out": out, "want_out": full(x).detach(),
+            "want": {n: p.detach() for n, p in full.named_parameters()},
+            "held": _held(layer), "ops": set(t.by_op())}
+
+
+def check_zero3_hooks(cluster, fn) -> bool:
+    """Check a student's ZeRO-3 forward hook pair on a Linear(10, 7).
+
+    `fn(layer, shards, shapes)` returns (pre_forward, post_forward), hooks for
+    register_forward_pre_hook and register_forward_hook. `layer` has no weight or
+    bias; shards[name] is this rank's 1-D piece of that parameter (ceil(numel/N)
+    elements, the last rank's zero-padded); shapes[name] its full shape. The pre
+    hook must all-gather every parameter and set it on the layer (trimmed to its
+    shape); the post hook must free it. A mistake is reported by rank, tensor and
+    first wrong element, or by what the layer still holds after forward.
+    """
+    res = run_answer(cluster, _hooks_worker, fn, what="gather and free hooks")
+    if res is None:
+        return False
+    for rank, r in enumerate(res):
+        for name, want in r["want"].items():
+            got = r["seen"].get(name)
+            if got is None:
+                raise ExerciseError(
+                    f"rank {rank}: when forward ran, layer.{name} was not set: the "
+                    "pre-forward hook must put the gathered parameter on the layer")
+            if tuple(got.shape) != tuple(want.shape):
+                raise ExerciseError(
+                    f"rank {rank}, tensor {name}: forward saw shape "
+                    f"{tuple(got.shape)}, expected {tuple(want.shape)}: gather all "
+                    "N shards, drop the padding past numel, then view as the shape")
+            bad = (got != want).nonzero()
+            if len(bad):
+                i = tuple(int(v) for v in bad[0])
+                raise ExerciseError(
+                    f"rank {rank}, tensor {name}, element {i}: forward saw "
+                    f"{float(got[i]):.6g}, expected {float(want[i]):.6g} (the shards "
+                    "go in rank order: rank r's piece is elements [r*s, (r+1)*s))")
+        if isinstance(r["out"], Exception) or not (
+                r["out"] - r["want_out"]).abs().max() <= 1e-6:
+            raise ExerciseError(f"rank {rank}: the parameters were right but the "
+                                "output is not: do not change the input or output")
+        big = {k: v for k, v in r["held"].items()
+               if v > -(-r["want"][k].numel() // cluster.world_size)
+               if k in r["want"]}
+        if big:
+            k, v = next(iter(big.items()))
+            raise ExerciseError(
+                f"rank {rank}: after forward the layer still holds {k} with {v} "
+                f"elements (the whole parameter): the post-forward hook must free "
+                f"it (e.g. `del module.{k}`), so that only the shards stay")
+        if r["ops"] - {"all_gather"}:
+            raise ExerciseError(
+                f"rank {rank}: the values are right, but it used "
+                f"{sorted(r['ops'] - {'all_gather'})}: one all-gather per "
+                "parameter brings every rank's shard to every rank")
+    print("correct: every rank gathered the weight and bias in rank order, trimmed "
+          "the padding, computed the full layer's output, and freed both after")
+    return True

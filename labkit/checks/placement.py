@@ -1,0 +1,57 @@
+"""Chapter 08's checks: place a strategy (P, O, G, A and its collectives) and
+predict its bytes; the check says which state, which collective or which number
+is wrong."""
+
+from __future__ import annotations
+
+from labkit.checks.common import ExerciseError
+from labkit.theory.placement import Placement
+
+STATES = {"P": "parameters", "O": "optimizer state", "G": "gradients",
+          "A": "activations"}
+
+
+def _compare_placement(what: str, yours, want: Placement) -> None:
+    if not isinstance(yours, Placement):
+        raise ExerciseError(f"{what}: expected a labkit.theory.Placement, got "
+                            f"{yours!r}")
+    for s, name in STATES.items():
+        if getattr(yours, s) != getattr(want, s):
+            raise ExerciseError(
+                f"{what}: {s} ({name}) is {getattr(want, s)} in this strategy, "
+                f"not {getattr(yours, s)}")
+    for sync, label in (("grad_sync", "gradients"), ("param_sync", "parameters")):
+        got = getattr(yours, f"resolved_{sync}")()
+        need = getattr(want, f"resolved_{sync}")()
+        if got != need:
+            raise ExerciseError(
+                f"{what}: the {label} are synchronised by {need or 'nothing'} in "
+                f"this strategy, not by {got or 'nothing'} (set {sync}=)")
+
+
+def check_placement(what: str, yours, predicted, want: Placement, measured: dict,
+                    rel: float = 0.01) -> bool:
+    """`yours`: the student's Placement; `predicted`: their bytes per rank, a dict
+    with "P", "O", "G" (kept between steps) and "sent" (bytes per step), each
+    number or None. `want` is the strategy's true Placement and `measured` the
+    same keys as the ledgers measured them; numbers must agree within `rel`."""
+    if yours is None:
+        print(f"{what}: not answered yet (replace None with your Placement)")
+        return False
+    _compare_placement(what, yours, want)
+    if predicted is None or any(predicted.get(k) is None for k in measured):
+        print(f"{what}: the placement is right; now predict "
+              f"{', '.join(k for k in measured)} in bytes")
+        return False
+    for key, got in measured.items():
+        guess = predicted[key]
+        if isinstance(guess, bool) or not isinstance(guess, (int, float)):
+            raise ExerciseError(f"{what}: {key} must be a number, got {guess!r}")
+        if abs(guess - got) > rel * max(abs(got), 1):
+            label = STATES.get(key, "bytes sent per step")
+            raise ExerciseError(
+                f"{what}: you predicted {guess:,.0f} bytes of {label} ({key}); the "
+                f"ledgers measured {got:,.0f} ({guess / max(got, 1):.3g}×)")
+    print(f"{what}: placement and bytes right "
+          f"({', '.join(f'{k} {measured[k]:,.0f}' for k in measured)})")
+    return True
