@@ -118,4 +118,4 @@ def test_memory_bars_with_named_keys_keep_order_and_labels():
     fig = viz.memory_by_rank({"fp32": d, "bf16 + fp32 master": d, 3: d})
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.get_xticklabels()]
-    assert labels == ["fp32", "bf16 + fp32\nmaster", "rank 3"]  # no "rank fp32"
+    assert labels == ["fp32", "bf16 +\nfp32\nmaster", "rank 3"]  # no "rank fp32"

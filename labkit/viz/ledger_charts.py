@@ -60,7 +60,7 @@ def _bar_label(key) -> str:
     """'rank 2' for a rank; any other key as it is, wrapped to fit under a bar."""
     if isinstance(key, int):
         return f"rank {key}"
-    return textwrap.fill(str(key), 12)
+    return textwrap.fill(str(key), 8)  # 'FSDP, rank 0' -> 'FSDP,\nrank 0'
 
 
 # --------------------------------------------------------------------- traffic
