@@ -10,36 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.models import D, H, TiedFrozenNet, V
+
 N = 4
-V, D, H = 13, 12, 25  # vocabulary, width, hidden
 STEPS = 5
 OPTS = {"sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
         "adam": (torch.optim.Adam, {"lr": 1e-2})}
 
 
-class Net(nn.Module):
-    """Tied embedding and head (owned by the root unit, with `gain`), a frozen
-    layer, a buffer; sizes 156, 300, 25, 300, 12, 2: most not multiples of 4."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(V, D)
-        self.up, self.down = nn.Linear(D, H), nn.Linear(H, D)
-        self.gain = nn.Parameter(torch.tensor([1.0, 0.0]))
-        self.frozen = nn.Linear(D, D).requires_grad_(False)
-        self.head = nn.Linear(D, V, bias=False)
-        self.head.weight = self.embed.weight  # tied
-        self.register_buffer("scale", torch.linspace(0.5, 1.5, D))
-
-    def forward(self, tok):  # (B, T) -> (B, T, V)
-        h = self.embed(tok) * self.scale
-        h = h + self.down(torch.tanh(self.up(h)))
-        return self.head(self.frozen(h) * self.gain[0] + self.gain[1])
-
-
 def _setup():
     torch.manual_seed(0)
-    model = Net()
+    model = TiedFrozenNet()  # its tied weight and `gain`: owned by the root unit
     g = torch.Generator().manual_seed(1)
     tok, y = (torch.randint(0, V, (8, 5), generator=g) for _ in range(2))
     return model, tok, y

@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.models import TiedFrozenNet, V
+
 from labkit.theory import zero_traffic
 
 N = 4
-V, D, H = 13, 12, 25  # vocabulary, width, hidden
 STEPS = 5
 BUCKET_MB = 1000 / 2**20  # 250 float32: the small model's groups split in buckets
 OPTS = {"sgd": (torch.optim.SGD, {"momentum": 0.9}, (0.1, 0.03, 0.3)),
@@ -22,27 +23,9 @@ MODES = {"zero1": {}, "zero1_rs": {"reduce_scatter_gradients": True},
          "zero2": {"stage": 2, "bucket_mb": BUCKET_MB}}
 
 
-class Net(nn.Module):
-    """Tied embedding and head, a frozen layer, a buffer: 795 trainable elements,
-    in groups of 481, 312 and 2 (the last leaves two of four ranks nothing)."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(V, D)
-        self.up, self.down = nn.Linear(D, H), nn.Linear(H, D)
-        self.gain = nn.Parameter(torch.tensor([1.0, 0.0]))
-        self.frozen = nn.Linear(D, D).requires_grad_(False)
-        self.head = nn.Linear(D, V, bias=False)
-        self.head.weight = self.embed.weight  # tied
-        self.register_buffer("scale", torch.linspace(0.5, 1.5, D))
-
-    def forward(self, tok):  # (B, T) -> (B, T, V)
-        h = self.embed(tok) * self.scale
-        h = h + self.down(torch.tanh(self.up(h)))
-        return self.head(self.frozen(h) * self.gain[0] + self.gain[1])
-
-
 def _groups(model, opt):
+    # TiedFrozenNet's 795 trainable elements in groups of 481, 312 and 2 (the
+    # last leaves two of four ranks nothing)
     lr = OPTS[opt][2]
     m = model
     return [{"params": [m.embed.weight, m.up.weight, m.up.bias,
@@ -53,7 +36,7 @@ def _groups(model, opt):
 
 def _setup():
     torch.manual_seed(0)
-    model = Net()
+    model = TiedFrozenNet()
     g = torch.Generator().manual_seed(1)
     tok, y = (torch.randint(0, V, (8, 5), generator=g) for _ in range(2))
     return model, tok, y
