@@ -142,7 +142,6 @@ class DataParallel(torch.nn.Module):
                     t.register_hook(lambda grad: self._backward_started())
         return out
 
-    @torch.no_grad()
     def step_problem(self) -> str | None:
         """Why an optimizer step on this wrapper's parameters would be wrong now."""
         if self._pending:
@@ -155,6 +154,7 @@ class DataParallel(torch.nn.Module):
                     "Workers call broadcast_parameters() to receive its weights.")
         return None
 
+    @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         """Wait for every gradient's collective and average.
 

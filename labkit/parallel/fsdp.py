@@ -151,7 +151,6 @@ class FullyShardedDataParallel(torch.nn.Module):
                     t.register_hook(hook)
         return out
 
-    @torch.no_grad()
     def step_problem(self) -> str | None:
         """Why an optimizer step on this wrapper's parameters would be wrong now."""
         if self._pending:
@@ -160,6 +159,7 @@ class FullyShardedDataParallel(torch.nn.Module):
                     f"reduce-scattered over the {self.world_size} ranks")
         return None
 
+    @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         """Wait for every reduce-scatter; average the replicated parameters'
         gradients. Every trainable shard then has an fp32 .grad of its shape."""
