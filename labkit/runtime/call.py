@@ -139,9 +139,11 @@ class Collector:
                                       if r in pending})
             for r in sorted(pending - self.asked):
                 sock = self.cluster._status.get(r)
+                if sock is None:
+                    continue
                 try:
                     wire.send(sock, StatusRequest())
-                except (OSError, AttributeError):
+                except OSError:
                     continue
                 self.asked.add(r)
                 self.cluster._sel.register(sock, selectors.EVENT_READ, ("status", r))

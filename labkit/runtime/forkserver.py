@@ -76,7 +76,7 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], preload: tuple[str, ...]):
         if preload:
             idle = IDLE_BEFORE_PRELOAD if served else IDLE_UNSERVED
         ready, _, _ = select.select([ctrl, wake_r, *gone], [], [], idle)
-        if not ready:  # idle after serving a cluster: let a successor import more
+        if not ready:  # idle: let a successor import more, then take over
             _start_successor(ctrl, gone, preload, close=(wake_r, wake_w))
             preload = ()
             continue

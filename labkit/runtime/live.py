@@ -81,7 +81,6 @@ class LiveView:
         self.counts = dict.fromkeys(ranks, 0)
         self.bars: dict[tuple[int, int], Progress] = {}
         self.statuses: dict[int, str] = {}
-        self.started = time.monotonic()
         self._drawn = 0.0
         self._dirty = False
         self.broken = False  # a frontend that failed once is not asked again

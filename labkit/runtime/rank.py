@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import replace
 
 from labkit.runtime import wire
 from labkit.runtime.messages import (
@@ -125,18 +126,12 @@ def _serve_calls(main: socket.socket, rank: int, world_size: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         try:
-            data = cloudpickle.dumps(_with_seconds(reply, seconds), protocol=5)
+            data = cloudpickle.dumps(replace(reply, seconds=seconds), protocol=5)
         except Exception as e:  # noqa: BLE001
             err = TypeError(f"rank {rank} returned a value that cannot be pickled: {e}")
             data = cloudpickle.dumps(Raised(call_id, describe_exception(err), seconds))
         with CONNECTION["lock"]:
             wire.send_bytes(main, data)
-
-
-def _with_seconds(reply, seconds: float):
-    if isinstance(reply, Returned):
-        return Returned(reply.call_id, reply.value, seconds)
-    return Raised(reply.call_id, reply.error, seconds)
 
 
 def _to_cpu(value):
