@@ -232,7 +232,14 @@ def test_timeout_names_the_running_collective_and_its_size():
             with traffic():
                 dist.all_reduce(torch.ones(1 << 18))  # 1 MiB
 
+    def warm(rank, world_size):  # a process's first dispatch mode imports a lot
+        from labkit.ledger import traffic
+
+        with traffic():
+            torch.ones(1).add_(1)
+
     with labkit.Cluster(2, timeout=2) as c:
+        c.run(warm, timeout=60)  # so the 2 s below time the collective, not imports
         with pytest.raises(labkit.CollectiveTimeout) as ei:
             c.run(lonely)
         assert "all_reduce of 1.0 MiB (group of 2)" in ei.value.busy[0]

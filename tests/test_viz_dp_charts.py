@@ -88,6 +88,19 @@ def test_dp_timelines_one_panel_per_scheme_on_one_time_axis():
                                             "backward (a timing)")
 
 
+def test_the_compute_label_names_title_and_legend():
+    one = {0: [Span("compute", "forward", 0.0, 0.01),
+               Span("comm", "all_gather", 0.005, 0.02, 4)]}
+    fig = viz.dp_timelines({"FSDP": one}, compute="compute")
+    ax = fig.axes[0]
+    # comm 5..20 ms, compute 0..10: a third of the communication under compute
+    assert ax.get_title() == "FSDP: 33% of communication time under compute (a timing)"
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["compute", "all_gather: issued to done"]
+    ax = viz.dp_timeline(one, compute="forward").axes[0]
+    assert ax.get_legend().get_texts()[0].get_text() == "forward (compute)"
+
+
 def test_colours_come_from_the_ops():
     events = {0: [Span("comm", "gather bucket 0", 0.0, 1.0, 4),
                   Span("comm", "scatter bucket 0", 1.0, 2.0, 4)]}

@@ -5,14 +5,17 @@ is in), labkit.conventions and labkit.units; nothing above it.
 
 `traffic()` records every collective a rank makes; `memory(...)` tracks the bytes a
 process holds by category (`steps`: one entry per optimizer step); `holdings(...)`
-counts what a model and optimizer hold. Both count a DTensor by its local shard.
+counts what a model and optimizer hold (both count a DTensor by its local shard);
+`timeline()` records compute and communication spans (a timing) without changing
+when anything runs.
 """
 
 from labkit.ledger.holdings import Holdings, holdings
 from labkit.ledger.memory import CATEGORIES, MemoryLedger, Step, memory
 from labkit.ledger.tagging import count_as, on_host
+from labkit.ledger.timeline import Span, TimelineLedger, overlap_fraction, timeline
 from labkit.ledger.traffic import Record, TrafficLedger, summarize, total, traffic
 
 __all__ = ["CATEGORIES", "Holdings", "MemoryLedger", "Record", "Step",
-           "TrafficLedger", "count_as", "holdings", "memory", "on_host", "summarize",
-           "total", "traffic"]
+           "Span", "TimelineLedger", "TrafficLedger", "count_as", "holdings", "memory",
+           "on_host", "overlap_fraction", "summarize", "timeline", "total", "traffic"]

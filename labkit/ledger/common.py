@@ -36,6 +36,46 @@ class Ledger:
     def __init__(self):
         super().__init__()
         self._phases: list[str] = []
+        self._module_stack: list[str] = []  # names of the modules running forward
+        self._in_optimizer = 0
+        self._hook_handles: list = []
+
+    def _current_phase(self) -> str:
+        return current_phase(self._phases, bool(self._in_optimizer),
+                             bool(self._module_stack))
+
+    def _install_phase_hooks(self, names: dict[int, str] | None = None) -> None:
+        """Global module and optimizer hooks that tell forward, optimizer and other
+        apart (names: id(module) -> the name to record, else its class name)."""
+        from torch.nn.modules import module as nn_module
+        from torch.optim import optimizer as optim
+
+        names = names or {}
+
+        def pre(mod, args):
+            self._module_stack.append(names.get(id(mod), type(mod).__name__))
+
+        def post(mod, args, out):
+            if self._module_stack:
+                self._module_stack.pop()
+
+        def opt_pre(opt, args, kwargs):
+            self._in_optimizer += 1
+
+        def opt_post(opt, args, kwargs):
+            self._in_optimizer -= 1
+
+        self._hook_handles = [
+            nn_module.register_module_forward_pre_hook(pre),
+            nn_module.register_module_forward_hook(post, always_call=True),
+            optim.register_optimizer_step_pre_hook(opt_pre),
+            optim.register_optimizer_step_post_hook(opt_post),
+        ]
+
+    def _remove_phase_hooks(self) -> None:
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles = []
 
     @contextlib.contextmanager
     def phase(self, name: str):

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit.runtime.rank import STATE as RANK_STATE
 from labkit.conventions import BUS_FACTOR
-from labkit.ledger.common import Ledger, current_phase
+from labkit.ledger.common import Ledger
 from labkit.units import human_bytes as human
 
 FIELDS = ("payload_bytes", "bus_bytes", "wire_bytes", "seconds", "elements")
@@ -161,41 +161,8 @@ class TrafficLedger(Ledger, TorchDispatchMode):
         self.start = self.stop = 0.0  # perf_counter at enter and exit
         self.written: int | None = None  # all bytes written inside the block
         self._names = {id(m): name for name, m in (modules or {}).items()}
-        self._module_stack: list[str] = []
-        self._handles: list = []
-        self._in_optimizer = 0
         self._wire_ok = False
         self._w0: int | None = None
-
-    # -- phases and modules ----------------------------------------------------
-
-    def _current_phase(self) -> str:
-        return current_phase(self._phases, bool(self._in_optimizer),
-                             bool(self._module_stack))
-
-    def _install_hooks(self) -> None:
-        from torch.nn.modules import module as nn_module
-        from torch.optim import optimizer as optim
-
-        def pre(mod, args):
-            self._module_stack.append(self._names.get(id(mod), type(mod).__name__))
-
-        def post(mod, args, out):
-            if self._module_stack:
-                self._module_stack.pop()
-
-        def opt_pre(opt, args, kwargs):
-            self._in_optimizer += 1
-
-        def opt_post(opt, args, kwargs):
-            self._in_optimizer -= 1
-
-        self._handles = [
-            nn_module.register_module_forward_pre_hook(pre),
-            nn_module.register_module_forward_hook(post, always_call=True),
-            optim.register_optimizer_step_pre_hook(opt_pre),
-            optim.register_optimizer_step_post_hook(opt_post),
-        ]
 
     # -- the mode ----------------------------------------------------------------
 
@@ -209,7 +176,7 @@ class TrafficLedger(Ledger, TorchDispatchMode):
         try:
             self.rank = dist.get_rank()
             self._wire_ok = _io_path_ok()
-            self._install_hooks()
+            self._install_phase_hooks(self._names)
             self._w0 = _wchar() if self._wire_ok else None
             self.start = time.perf_counter()
             return super().__enter__()
@@ -227,9 +194,7 @@ class TrafficLedger(Ledger, TorchDispatchMode):
             self._remove_hooks()
 
     def _remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._remove_phase_hooks()
         self._release()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

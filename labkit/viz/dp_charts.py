@@ -74,15 +74,16 @@ def _rows(spans) -> list[int]:
 
 
 def dp_timeline(events, *, ax=None, title: str = "", origin: float | None = None,
-                legend: bool = True) -> Figure:
+                legend: bool = True, compute: str = "backward") -> Figure:
     """One lane per rank from recorded `Span`s (a timing: varies run to run).
 
     events: rank -> list of Span (DataParallel.events, or spans recorded the same
-    way). In each lane, backward is the grey bar on top; each collective, from the
-    moment it was issued to the moment it completed, is a coloured bar below, in
-    its own sub-row wherever it overlaps another, so no bar hides another. The
-    title gives the share of communication time during which backward ran
-    (`overlap_fraction`), averaged over the ranks.
+    way). In each lane, compute is the grey bar on top (`compute` names it:
+    "backward" for data parallelism, "compute" where forward runs too); each
+    collective, from the moment it was issued to the moment it completed, is a
+    coloured bar below, in its own sub-row wherever it overlaps another, so no bar
+    hides another. The title gives the share of communication time during which
+    compute ran (`overlap_fraction`), averaged over the ranks.
     """
     # here, not at the top: labkit.parallel imports torch, which viz otherwise need not
     from labkit.parallel.events import overlap_fraction
@@ -94,9 +95,9 @@ def dp_timeline(events, *, ax=None, title: str = "", origin: float | None = None
     fig, ax = _axes(ax, (8, 0.9 + 0.8 * len(ranks)))
     seen: list[str] = []
     for lane, evs in enumerate(ranks.values()):
-        compute = [(1e3 * (s.start - origin), 1e3 * s.seconds)
-                   for s in evs if s.kind == "compute"]
-        ax.broken_barh(compute, (lane - 0.42, 0.36), facecolors=COMPUTE_COLOR,
+        busy = [(1e3 * (s.start - origin), 1e3 * s.seconds)
+                for s in evs if s.kind == "compute"]
+        ax.broken_barh(busy, (lane - 0.42, 0.36), facecolors=COMPUTE_COLOR,
                        edgecolors="#7F7F7F", linewidth=0.5)
         comm = sorted((s for s in evs if s.kind == "comm"), key=lambda s: s.start)
         rows = _rows(comm)
@@ -114,11 +115,12 @@ def dp_timeline(events, *, ax=None, title: str = "", origin: float | None = None
     ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
     ax.set_xlabel("ms since the first span began")
     head = f"{title}: " if title else ""
-    ax.set_title(f"{head}{share:.0%} of communication time under backward "
+    ax.set_title(f"{head}{share:.0%} of communication time under {compute} "
                  "(a timing)")
     if legend:
         handles = [Patch(facecolor=COMPUTE_COLOR, edgecolor="#7F7F7F",
-                         label="backward (compute)")]
+                         label=f"{compute} (compute)" if compute != "compute"
+                         else "compute")]
         handles += [Patch(color=OP_COLORS.get(op, "black"),
                           label=f"{op}: issued to done") for op in seen]
         ax.legend(handles=handles, fontsize="small", loc="upper left",
@@ -126,8 +128,8 @@ def dp_timeline(events, *, ax=None, title: str = "", origin: float | None = None
     return fig
 
 
-def dp_timelines(schemes, *, title: str = "One training step, rank by rank"
-                 ) -> Figure:
+def dp_timelines(schemes, *, title: str = "One training step, rank by rank",
+                 compute: str = "backward") -> Figure:
     """dp_timeline for each scheme (name -> rank -> spans), stacked, one time axis
     (each panel starts at its own first span); the legend on the top panel."""
     n_ranks = max((len(_per_rank(v)) for v in schemes.values()), default=1)
@@ -135,7 +137,7 @@ def dp_timelines(schemes, *, title: str = "One training step, rank by rank"
                     layout="constrained")
     axes = fig.subplots(len(schemes), 1, sharex=True, squeeze=False)[:, 0]
     for i, (ax, (name, events)) in enumerate(zip(axes, schemes.items())):
-        dp_timeline(events, ax=ax, title=name, legend=i == 0)
+        dp_timeline(events, ax=ax, title=name, legend=i == 0, compute=compute)
         if i < len(axes) - 1:
             ax.set_xlabel("")
     fig.suptitle(title)
