@@ -247,6 +247,59 @@ def test_bf16_compute_keeps_fp32_shards_and_gradients(mlp_runs):
             assert 1e-4 < err <= 0.1, (k, err)
 
 
+def _normed():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 21), nn.LayerNorm(21), nn.ReLU(),
+                         nn.Linear(21, 3))
+
+
+def _normed_train(rank, world_size, dtype, steps=3):
+    from labkit.parallel.fsdp import FullyShardedDataParallel
+
+    m = _normed()
+    x, y = _mlp_data()
+    seen = []
+    m[1].register_forward_hook(lambda mod, args, out: seen.append(
+        (args[0].dtype, mod.weight.dtype, out.dtype)))
+    wrapped = FullyShardedDataParallel(m, compute_dtype=dtype,
+                                       wrap=lambda mod: isinstance(mod, nn.Linear))
+    o = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    for _ in range(steps):
+        o.zero_grad()
+        F.mse_loss(wrapped(x[rank * 2:rank * 2 + 2]).float(),
+                   y[rank * 2:rank * 2 + 2]).backward()
+        wrapped.finish_gradient_synchronization()
+        o.step()
+    return {"full": wrapped.gather_full_params(), "seen": set(seen),
+            "norm": {(p.dtype, p.grad.dtype, type(p)) for p in m[1].parameters()}}
+
+
+def test_bf16_reaches_modules_left_out_of_wrap(cluster):
+    # a LayerNorm outside every unit stays replicated, fp32, and still computes in
+    # bf16: it gets bf16 inputs from the unit before it, and mixing them with fp32
+    # weights would fail; its weight gradients come back fp32 and are all-reduced
+    m = _normed()
+    x, y = _mlp_data()
+    start = _params(m)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(3):
+        o.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        o.step()
+    ref = _params(m)
+    for r in cluster.run(_normed_train, torch.bfloat16).values:
+        assert r["seen"] == {(torch.bfloat16, torch.bfloat16, torch.bfloat16)}
+        assert r["norm"] == {(torch.float32, torch.float32, nn.Parameter)}
+        for k, v in r["full"].items():
+            # as in the MLP test above: bf16 error relative to what 3 steps moved
+            err = ((v - ref[k]).abs().max() / (ref[k] - start[k]).abs().max()).item()
+            assert 1e-4 < err <= 0.1, (k, err)
+    for r in cluster.run(_normed_train, None).values:  # and fp32 is unchanged
+        assert r["seen"] == {(torch.float32,) * 3}
+        for k, v in r["full"].items():
+            assert rel_err(v, ref[k]) <= 1e-6, k
+
+
 # ------------------------------------------------------------- traffic, memory
 W = 512
 

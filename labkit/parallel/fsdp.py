@@ -38,7 +38,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from labkit.parallel import fsdp_hooks as H
 from labkit.parallel import guards
@@ -55,8 +55,9 @@ class FullyShardedDataParallel(torch.nn.Module):
     spans: compute per unit (between hooks), all-gather issue→done, reduce-scatter
     issue→done. `units` names the wrapped modules, in forward order.
 
-    With compute_dtype, a unit's floating inputs are cast to it; replicated
-    modules keep their own dtype. A unit with a frozen parameter stays gathered
+    With compute_dtype, every module computes in it: a unit's floating inputs
+    and gathered weights, and a replicated module's inputs and (cast copies of)
+    its fp32 parameters. A unit with a frozen parameter stays gathered
     until backward ends (backward may still need it after its gradients are in).
     Two backwards before finish accumulate into shard.grad."""
 
@@ -117,6 +118,8 @@ class FullyShardedDataParallel(torch.nn.Module):
             for p in u.trainable:
                 handles.append(p.leaf.register_post_accumulate_grad_hook(
                     _call(ref, "_grad_ready", u)))
+        if compute_dtype is not None:  # replicated modules compute in it too
+            handles += H.cast_replicated(module, self._replicated, compute_dtype)
         guards.track(self)
         self._finalizer = weakref.finalize(self, guards.release, handles)
 
@@ -245,10 +248,8 @@ class FullyShardedDataParallel(torch.nn.Module):
         self._prefetch(self._order[i + 1:])
         self._restart_clock()
         if self.compute_dtype is not None:
-            cast = lambda t: (t.to(self.compute_dtype)  # noqa: E731
-                              if isinstance(t, torch.Tensor)
-                              and t.is_floating_point() else t)
-            return tree_map(cast, args), tree_map(cast, kwargs)
+            return (H.cast_floating(args, self.compute_dtype),
+                    H.cast_floating(kwargs, self.compute_dtype))
         return None
 
     def _post_forward(self, u: H.Unit, module, args, out):

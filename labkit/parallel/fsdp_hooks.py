@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from labkit.ledger import count_as
 from labkit.parallel.events import Span
@@ -197,3 +198,40 @@ def fold(r: Reduction, n: int, spans: list) -> None:
         shard.grad += mine
     count_as(shard.grad, "Gradient")
     r.send = r.got = r.work = r.done = None
+
+
+def cast_floating(tree, dtype: torch.dtype):
+    """Every floating tensor in `tree` (args, kwargs) as `dtype`."""
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
+                    and t.is_floating_point() else t, tree)
+
+
+def cast_replicated(module: torch.nn.Module, replicated, dtype: torch.dtype) -> list:
+    """compute_dtype for modules holding replicated parameters (a LayerNorm left
+    out of `wrap`): during their forward, their floating inputs and their own
+    floating parameters are cast copies, so they compute in `dtype` like the
+    units; autograd casts each gradient back to the fp32 parameter, which is put
+    back after forward. Returns the hook handles."""
+    ids = {id(p) for p in replicated if p.is_floating_point()}
+    handles = []
+    for mod in module.modules():
+        attrs = [a for a, p in mod._parameters.items() if p is not None
+                 and id(p) in ids]
+        if not attrs:
+            continue
+        kept: dict[str, torch.nn.Parameter] = {}
+
+        def pre(m, args, kwargs, attrs=attrs, kept=kept):
+            for a in attrs:
+                kept[a] = m._parameters[a]
+                m._parameters[a] = kept[a].to(dtype)
+            return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+
+        def post(m, args, out, attrs=attrs, kept=kept):
+            for a in attrs:
+                if a in kept:
+                    m._parameters[a] = kept.pop(a)
+
+        handles += [mod.register_forward_pre_hook(pre, with_kwargs=True),
+                    mod.register_forward_hook(post, always_call=True)]
+    return handles
