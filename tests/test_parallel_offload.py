@@ -227,3 +227,29 @@ def test_sharded_offload_on_four_ranks(cluster, name):
             # averaged gradients over ranks differ from one batch's in rounding
             assert rel_err(a, b) <= 1e-5
         assert r["moved"] == [8 * psi // n] * STEPS == [cost.pcie] * STEPS
+
+
+def _sharded_ledger(rank, world_size):
+    from labkit.ledger import memory
+    from labkit.parallel.zero import ShardedOptimizer
+
+    model = _model()
+    # built before the ledger starts, as a chapter does: the ledger must learn from
+    # the optimizer which of its tensors live in host memory
+    opt = ShardedOptimizer(model.parameters(),
+                           partial(OffloadedOptimizer, optimizer_cls=torch.optim.SGD),
+                           reduce_scatter_gradients=True, lr=0.1)
+    rows = slice(rank * 32 // world_size, (rank + 1) * 32 // world_size)
+    with memory(model, opt) as m:
+        _train(model, opt, rows=rows)
+    return m
+
+
+def test_sharded_offload_state_is_host_memory_in_the_ledger(cluster):
+    psi = sum(p.numel() for p in _model().parameters())
+    for m in cluster.run(_sharded_ledger).values:
+        # SGD without momentum: the host keeps the fp32 master slice and an fp32
+        # copy of the gradient slice, Ψ/N elements each; the device no optimizer state
+        assert m.host["Optstate"] == 4 * psi // 4
+        assert m.host["Gradient"] == 4 * psi // 4
+        assert m.current["Optstate"] == 0 and m.peak["Optstate"] == 0

@@ -237,6 +237,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             elif grp.grad is not None:
                 grp.grad.zero_()
 
+    def host_resident(self) -> dict[str, list[torch.Tensor]]:
+        """What the inner optimizer keeps in host memory, by category (an
+        OffloadedOptimizer's master slice, state and gradient copy), so that the
+        memory ledger counts it as host memory; {} for an ordinary optimizer."""
+        if self._inner is None:
+            return {}
+        return getattr(self._inner, "host_resident", dict)()
+
     # -- checkpoints ------------------------------------------------------------------
 
     def state_dict(self) -> dict:
