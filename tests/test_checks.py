@@ -1,8 +1,13 @@
 """labkit.checks: the exercise checks say what is wrong, and where."""
 
+import inspect
+import time
+
 import pytest
 
 from labkit import checks
+from labkit.checks.common import SHORT_TIMEOUT
+from labkit.checks.ring import check_ring_all_gather, check_ring_time
 
 
 def _ring_steps(rank, world_size, chunks, steps):
@@ -28,22 +33,152 @@ def _one_step_short(rank, world_size, chunks):
 
 
 def _todo(rank, world_size, chunks):
-    raise NotImplementedError
+    raise NotImplementedError("exercise: the reduce-scatter phase")
 
 
 def test_ring_reduce_scatter_check(cluster, capsys):
-    assert checks.check_ring_reduce_scatter(cluster, _todo) is False
+    assert checks.check_ring_reduce_scatter(cluster, _todo) is None
     assert "not written yet" in capsys.readouterr().out
-    assert checks.check_ring_reduce_scatter(cluster, _good) is True
+    checks.check_ring_reduce_scatter(cluster, _good)
+    out = capsys.readouterr().out
+    assert "correct: after 3 steps" in out and "sent 3 chunks of M/4" in out
     wrong = r"rank 0, chunk 1 .* holds ranks \[0\].* missing \[1, 2, 3\]"
     with pytest.raises(checks.ExerciseError, match=wrong):
         checks.check_ring_reduce_scatter(cluster, _one_step_short)
 
 
+# -- what run_answer makes of answers that crash, hang or return the wrong thing --
+
+
+def _recv_first(rank, world_size, chunks):
+    import torch.distributed as dist
+
+    left = (rank - 1) % world_size
+    buf = chunks[0].clone()
+    dist.recv(buf, left)  # every rank waits here: nobody has sent yet
+
+
+def _raises_on_rank_2(rank, world_size, chunks):
+    import torch.distributed as dist
+
+    if rank == 2:
+        chunks[rank + world_size] += 1  # IndexError on rank 2 only
+    dist.recv(chunks[0].clone(), (rank - 1) % world_size)
+
+
+def _rebinds_to_a_list(rank, world_size, chunks):
+    chunks[(rank + 1) % world_size] = [15.0, 15.0, 15.0]
+
+
+def _line_of(fn, text: str) -> int:
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def test_a_deadlock_is_named_within_seconds(cluster):
+    start = time.monotonic()
+    with pytest.raises(checks.ExerciseError) as e:
+        checks.check_ring_reduce_scatter(cluster, _recv_first)
+    took = time.monotonic() - start
+    msg = str(e.value)
+    assert msg.startswith("deadlock: every rank is waiting in recv from its left "
+                          "neighbour")
+    line = _line_of(_recv_first, "dist.recv(buf, left)")
+    assert (f"rank 0: recv from rank 3 at line {line} of test_checks.py, in "
+            "_recv_first: `dist.recv(buf, left)  # every rank waits here: nobody has "
+            "sent yet`") in msg
+    assert "Traceback" not in msg
+    # the short timeout (5 s) plus a restart, not the cluster's 20 s
+    assert took < SHORT_TIMEOUT + 10, took
+    checks.check_ring_reduce_scatter(cluster, _good)  # the ranks came back
+
+
+def test_an_exception_on_one_rank_is_one_message_with_the_students_line(cluster):
+    with pytest.raises(checks.ExerciseError) as e:
+        checks.check_ring_reduce_scatter(cluster, _raises_on_rank_2)
+    msg = str(e.value)
+    line = _line_of(_raises_on_rank_2, "chunks[rank + world_size] += 1")
+    assert msg.splitlines()[0] == (
+        "rank 2: your ring steps raised IndexError: list index out of range at line "
+        f"{line} of test_checks.py, in _raises_on_rank_2: "
+        "`chunks[rank + world_size] += 1  # IndexError on rank 2 only`. Hint: an "
+        "index past the end: chunk and rank indices run from 0 to world_size - 1 "
+        "(wrap around with % world_size)")
+    assert "Traceback" not in msg and "--- rank" not in msg
+
+
+def test_a_result_of_the_wrong_type_is_said_precisely(cluster):
+    with pytest.raises(checks.ExerciseError, match=r"rank 0, chunk 1: expected a "
+                                                   r"tensor of shape \(3,\), got "
+                                                   r"list \[15.0, 15.0, 15.0\]"):
+        checks.check_ring_reduce_scatter(cluster, _rebinds_to_a_list)
+
+
+def _gather_steps(rank, world_size, chunks, steps, add=False):
+    import torch.distributed as dist
+
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    for s in range(1, steps + 1):
+        into = chunks[(rank - s + 1) % world_size]
+        buf = into.clone() if add else into
+        reqs = [dist.isend(chunks[(rank - s + 2) % world_size], right),
+                dist.irecv(buf, left)]
+        for q in reqs:
+            q.wait()
+        if add:
+            into += buf
+
+
+def test_ring_all_gather_check(cluster, capsys):
+    check_ring_all_gather(
+        cluster, lambda r, n, c: _gather_steps(r, n, c, n - 1))
+    assert "every rank holds all 4 complete chunks" in capsys.readouterr().out
+    # one step short: chunk 2 (completed on rank 1) is 3 steps from rank 0
+    short = (r"rank 0, chunk 2: expected chunk 2's complete sum 30; it still holds "
+             r"the stale partial sum \(-1\).* must travel 3 steps to reach rank 0")
+    with pytest.raises(checks.ExerciseError, match=short):
+        check_ring_all_gather(
+            cluster, lambda r, n, c: _gather_steps(r, n, c, n - 2))
+    with pytest.raises(checks.ExerciseError, match=r"rank 0, chunk 0: .* got 9, the "
+                                                   r"stale value plus a complete sum"):
+        check_ring_all_gather(
+            cluster, lambda r, n, c: _gather_steps(r, n, c, n - 1, add=True))
+    # the reduce-scatter's chunk choice in the all-gather phase: wrong chunks
+    with pytest.raises(checks.ExerciseError, match=r"rank 0, chunk 0: expected chunk "
+                                                   r"0's complete sum 10"):
+        check_ring_all_gather(cluster, _good)
+
+
+def test_ring_time_check(capsys):
+    def alpha_beta(n, size, alpha, beta):
+        return 2 * (n - 1) * alpha + 2 * (n - 1) / n * size / beta
+
+    check_ring_time(alpha_beta)
+    assert "50.19 ms, of which latency 10.23 ms (20.4%)" in capsys.readouterr().out
+    with pytest.raises(checks.ExerciseError, match=r"N = 4, .*expected 0.03003 s; "
+                                                   r"that is \(N-1\) steps"):
+        check_ring_time(lambda n, s, a, b: alpha_beta(n, s, a, b)
+                               - (n - 1) * a)
+    with pytest.raises(checks.ExerciseError, match=r"each rank sends 2\(N-1\)/N·S, "
+                                                   r"not 2S"):
+        check_ring_time(lambda n, s, a, b: 2 * (n - 1) * a + 2 * s / b)
+    with pytest.raises(checks.ExerciseError, match=r"raised ZeroDivisionError: "
+                                                   r"division by zero at line \d+ of "
+                                                   r"test_checks.py"):
+        check_ring_time(lambda n, s, a, b: 1 / 0)
+
+    def todo(n, size, alpha, beta):
+        raise NotImplementedError("exercise: the α-β time")
+
+    assert check_ring_time(todo) is None
+    assert "not written yet" in capsys.readouterr().out
+
+
 def test_check_answer(capsys):
-    assert checks.check_answer("x", None, 3) is False
+    assert checks.check_answer("x", None, 3) is None
     assert "not answered yet" in capsys.readouterr().out
-    assert checks.check_answer("x", 3.0, 3) is True
+    checks.check_answer("x", 3.0, 3)
+    assert "x: 3 is right" in capsys.readouterr().out
     with pytest.raises(checks.ExerciseError, match="Hint: think"):
         checks.check_answer("x", 4, 3, hint="think")
     with pytest.raises(checks.ExerciseError, match="number"):
@@ -236,3 +371,74 @@ def test_zero1_step_check(cluster, capsys):
     with pytest.raises(checks.ExerciseError, match=r"rank 0: the values are right, "
                                                     r"but it all-reduced"):
         checks.check_zero1_step(cluster, _zero1_all_reduce)
+
+
+# -- the messages themselves, from what the runtime reports (no ranks needed) ------
+
+_CELL = "/tmp/ipykernel_1/123.py"
+
+
+def _p2p(op, peer, line=6):
+    return (f'in {op} rank {peer}, at File "{_CELL}", line {line}, in my_ring '
+            f'(torch.distributed), called at File "/x/labkit/checks/watch.py", line '
+            f'62, in wait_for: return work.wait()')
+
+
+def test_deadlock_messages_name_the_pattern():
+    from labkit.checks.explain import deadlock_message
+    from labkit.runtime.results import CollectiveTimeout
+
+    def timeout(busy, finished=()):
+        return CollectiveTimeout("x", busy=busy, finished=list(finished))
+
+    sends = {r: _p2p("send to", (r + 1) % 4) for r in range(4)}
+    msg = deadlock_message(timeout(sends), 4, 5)
+    assert msg.startswith("deadlock: every rank is waiting in send to its right "
+                          "neighbour\n  rank 0: send to rank 1 at line 6 of your cell")
+    pair = {0: _p2p("recv from", 1), 1: _p2p("wait for irecv from", 0)}
+    msg = deadlock_message(timeout(pair, [2, 3]), 4, 5)
+    assert msg.startswith("deadlock: ranks wait for each other in a cycle, rank 0 -> "
+                          "rank 1 -> rank 0")
+    assert "rank 2: finished" in msg
+    early = {1: _p2p("recv from", 0)}
+    msg = deadlock_message(timeout(early, [0, 2, 3]), 4, 5)
+    assert msg.startswith("deadlock: rank 1 waits in recv from rank 0, which has "
+                          "already returned")
+    collective = {0: 'in all_reduce of 4 B (group of 4) (torch.distributed), called '
+                     f'at File "{_CELL}", line 3, in f: dist.all_reduce(x)'}
+    msg = deadlock_message(timeout(collective, [1, 2, 3]), 4, 5)
+    assert msg.startswith("deadlock: rank 0 still waiting after 5 s; a collective")
+    assert "rank 0: in all_reduce of 4 B (group of 4) at line 3 of your cell" in msg
+    assert "same collectives, in the same order" in msg
+    spinning = {r: f'at File "{_CELL}", line 2, in f: while True: pass'
+                for r in range(4)}
+    msg = deadlock_message(timeout(spinning), 4, 5)
+    assert msg.startswith("ranks 0, 1, 2 and 3 still running after 5 s without "
+                          "waiting on another rank")
+
+
+def test_a_rank_that_died_is_said_to_have_died():
+    from labkit.checks.explain import failure_message
+    from labkit.runtime.results import RankError
+
+    err = RankError("x", failures={1: "rank 1 died: killed by SIGKILL"},
+                    exceptions={1: None}, busy={0: "in recv", 2: "in recv"})
+    assert failure_message(err, "ring steps") == (
+        "rank 1 died (killed by SIGKILL) while running your ring steps\n"
+        "(ranks 0 and 2 had not finished and were stopped; the next run starts the "
+        "ranks again)")
+
+
+def test_the_cause_comes_before_a_peers_broken_connection():
+    from labkit.checks.explain import failure_message
+    from labkit.checks.watch import AnswerRaised
+    from labkit.runtime.results import RankError
+
+    frame = [(_CELL, 4, "my_ring")]
+    err = RankError("x", failures={0: "...", 2: "..."}, exceptions={
+        0: AnswerRaised("RuntimeError", "[gloo] Connection closed by peer", frame),
+        2: AnswerRaised("IndexError", "list index out of range", frame)})
+    first, second = failure_message(err, "ring steps").splitlines()
+    assert first.startswith("rank 2: your ring steps raised IndexError")
+    assert second.startswith("rank 0: your ring steps raised RuntimeError: [gloo] "
+                             "Connection closed by peer")

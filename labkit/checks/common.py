@@ -1,46 +1,172 @@
-"""What every exercise check shares: the error it raises, "not written yet", and
-checking a number."""
+"""What every exercise check shares: running a student's answer (on the ranks or
+here), the error it raises, "not written yet", and comparing numbers and tensors.
+
+Whatever goes wrong comes back as one `ExerciseError` in plain words, never as a
+traceback per rank:
+- an exception in the student's code: which ranks, the exception, and the
+  student's own line;
+- a deadlock, found after a short timeout (SHORT_TIMEOUT seconds, not the
+  cluster's 30): what every rank waits for, e.g. "deadlock: every rank is
+  waiting in recv from its left neighbour";
+- a result of the wrong type, shape or dtype, or a wrong element: where, got and
+  expected (`compare`).
+A stub that still raises NotImplementedError is "not written yet": the check
+says so and returns without failing the notebook.
+"""
 
 from __future__ import annotations
 
-from labkit.runtime.results import RankError
+import traceback
+
+from labkit.checks.explain import (
+    at_line,
+    deadlock_message,
+    failure_message,
+    hint_for,
+    not_written,
+    student_frame,
+)
+from labkit.checks.watch import watched
+from labkit.runtime.results import CollectiveTimeout, RankError
+
+SHORT_TIMEOUT = 5.0  # seconds: a check's ranks do tiny work; longer is a deadlock
 
 
 class ExerciseError(AssertionError):
     """The exercise's answer is wrong; the message says where and why."""
 
+    def _render_traceback_(self):  # IPython shows the message, not the check's frames
+        return [f"{type(self).__name__}: {self}"]
 
-def run_answer(cluster, worker, *args, what: str = "answer"):
-    """Run a student's answer on the ranks; None (after saying so) while it still
-    raises NotImplementedError, its RankResults once written."""
+
+def _not_yet(what: str) -> None:
+    print(f"not written yet: replace `raise NotImplementedError(...)` with your "
+          f"{what}, then run this cell again")
+
+
+# ------------------------------------------------------------ running answers
+
+
+def run_answer(cluster, worker, *args, what: str = "answer",
+               timeout: float = SHORT_TIMEOUT):
+    """Run `worker(rank, world_size, *args)`, which calls the student's answer, on
+    the ranks; its RankResults once it works, None (after saying so) while the
+    answer still raises NotImplementedError. An exception or a deadlock becomes
+    an ExerciseError that says what happened on which rank, at which line."""
+    modules = {getattr(f, "__module__", None) for f in (worker, *args) if callable(f)}
+    cluster.run(_prepare, sorted(modules - {None, "__main__"}))  # normal timeout
     try:
-        return cluster.run(worker, *args)
+        return cluster.run(watched, worker, *args, timeout=timeout)
+    except CollectiveTimeout as err:
+        raise ExerciseError(deadlock_message(err, cluster.world_size,
+                                             timeout)) from None
     except RankError as err:
-        if _not_written(err):
-            print("not written yet: replace `raise NotImplementedError` with your "
-                  f"{what}, then run this cell again")
+        if not_written(err):
+            _not_yet(what)
             return None
-        raise
+        raise ExerciseError(failure_message(err, what)) from None
 
 
-def _not_written(err: RankError) -> bool:
-    return bool(err.exceptions) and all(
-        isinstance(e, NotImplementedError) for e in err.exceptions.values())
+def _prepare(rank, world_size, modules: list[str]) -> None:
+    """Import what a check's worker uses, so that the short timeout measures only
+    the student's code: the modules of functions passed by reference, and what a
+    rank's first collective under a traffic ledger imports (sympy, through torch:
+    seconds on a busy machine; the forkserver preloads it only once idle)."""
+    import importlib
+
+    import torch
+    import torch.distributed as dist
+
+    from labkit.ledger import traffic
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # shipped by value, then: nothing to import
+            pass
+    with traffic():
+        dist.all_reduce(torch.zeros(1))
 
 
-def check_answer(what: str, yours, expected, hint: str = "", rel: float = 1e-9) -> bool:
-    """Compare a student's number with the expected one.
+NOT_WRITTEN = object()  # what call_answer returns for a stub
 
-    None means "not answered yet": it says so and returns False without failing.
-    A wrong answer raises ExerciseError with the hint; a right one prints a line.
-    """
+
+def call_answer(fn, *args, what: str = "answer"):
+    """Call a student's plain function here (no ranks): its value; NOT_WRITTEN
+    (after saying so) for a stub; ExerciseError naming the student's line if it
+    raises anything else."""
+    try:
+        return fn(*args)
+    except NotImplementedError:
+        _not_yet(what)
+        return NOT_WRITTEN
+    except Exception as e:  # noqa: BLE001  (told to the student, never a traceback)
+        frames = [(f.filename, f.lineno, f.name)
+                  for f in traceback.extract_tb(e.__traceback__)]
+        raise ExerciseError(f"your {what} raised {type(e).__name__}: {e}"
+                            + at_line(student_frame(frames)) + hint_for(
+                                type(e).__name__, str(e))) from None
+
+
+# ------------------------------------------------------------------ comparing
+
+
+def check_answer(what: str, yours, expected, hint: str = "", rel: float = 1e-9) -> None:
+    """Compare a student's number with the expected one: a line saying it is right,
+    "not answered yet" for None, ExerciseError with the hint when it is wrong."""
     if yours is None:
         print(f"{what}: not answered yet (replace None with your answer)")
-        return False
+        return
     if isinstance(yours, bool) or not isinstance(yours, (int, float)):
         raise ExerciseError(f"{what}: expected a number, got {yours!r}")
     if abs(yours - expected) > rel * max(abs(expected), 1e-300):
         msg = f"{what}: {yours:,.6g} is not right"
         raise ExerciseError(msg + (f". Hint: {hint}" if hint else ""))
     print(f"{what}: {yours:,.6g} is right")
-    return True
+
+
+def check_like(where: str, got, want, hint: str = "") -> None:
+    """ExerciseError unless `got` is a tensor of `want`'s shape and dtype."""
+    import torch
+
+    tail = f". Hint: {hint}" if hint else ""
+    if not isinstance(got, torch.Tensor):
+        raise ExerciseError(f"{where}: expected a tensor of shape {tuple(want.shape)}, "
+                            f"got {type(got).__name__} {_short(got)}{tail}")
+    if tuple(got.shape) != tuple(want.shape):
+        raise ExerciseError(f"{where}: shape {tuple(got.shape)}, expected "
+                            f"{tuple(want.shape)}{tail}")
+    if got.dtype != want.dtype:
+        raise ExerciseError(f"{where}: dtype {got.dtype}, expected {want.dtype}{tail}")
+
+
+def first_wrong(got, want, *, rel: float = 0.0, atol: float = 0.0):
+    """Index (a tuple) of the first element of `got` not within atol + rel·|want|
+    of `want` (NaN is wrong), or None; both tensors of one shape."""
+    import torch
+
+    diff = (got.double() - want.double()).abs()
+    bad = ~(diff <= atol + rel * want.double().abs())
+    if not bool(bad.any()):
+        return None
+    flat = int(bad.reshape(-1).nonzero()[0])
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), want.shape))
+
+
+def compare(where: str, got, want, *, hint: str = "", rel: float = 0.0,
+            atol: float = 0.0, name=None) -> None:
+    """ExerciseError unless tensor `got` equals tensor `want` (same type, shape and
+    dtype; every element within atol + rel·|want|). The message gives `where`, the
+    first wrong element (named by `name(index)` if given), got and expected."""
+    check_like(where, got, want, hint)
+    idx = first_wrong(got, want, rel=rel, atol=atol)
+    if idx is not None:
+        label = name(idx) if name else f"element {list(idx)}"
+        raise ExerciseError(f"{where}, {label}: got {float(got[idx]):.6g}, expected "
+                            f"{float(want[idx]):.6g}" + (f". Hint: {hint}" if hint
+                                                          else ""))
+
+
+def _short(x, limit: int = 60) -> str:
+    s = repr(x)
+    return s if len(s) <= limit else s[:limit] + "…"

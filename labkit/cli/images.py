@@ -19,8 +19,11 @@ MARK = "labkit-diagram-data:"
 
 
 def _inputs(op: str, n: int = 4):
+    """What each rank holds before `op`, as chapter 01 runs it."""
     if op == "all_gather":  # each rank holds its shard: the reduce-scatter result
         return simulate("reduce_scatter", course_example(n))
+    if op == "gather":  # gather undoes scatter: each rank holds its scattered piece
+        return simulate("scatter", course_example(n))
     return course_example(n)
 
 
@@ -45,16 +48,31 @@ def digest(data) -> str:
 def _figure(name: str, data):
     if name.startswith("collective_"):
         return viz.collective_diagram(data["op"], data["before"], data["after"])
-    from matplotlib.figure import Figure
+    from labkit.viz.diagrams import ring_panels
 
-    steps = ring_steps(4)
-    fig = Figure(figsize=(3.2 * 4, 3.0 * 2), layout="constrained")
-    axes = fig.subplots(2, 4)
-    for ax, st in zip(axes.flat, steps):
-        viz.ring_grid(st, ax=ax)
-    axes.flat[-1].axis("off")
-    fig.suptitle("ring all-reduce on 4 ranks: reduce-scatter, then all-gather")
+    # top row: the start and the reduce-scatter; bottom row: the all-gather, the key
+    fig = ring_panels(ring_steps(4), ncols=4, width_in=RING_WIDTH_IN)
+    fig.suptitle("ring all-reduce on 4 ranks: reduce-scatter, then all-gather",
+                 fontsize=13)
     return fig
+
+
+RING_WIDTH_IN = 10.0
+PAGE_PX = 900  # a notebook's text column in JupyterLab on a laptop, in CSS pixels
+
+
+def smallest_text_px(fig, page_px: int = PAGE_PX) -> float:
+    """The height in CSS pixels of the smallest text in `fig` when the image is
+    shown in a page `page_px` wide: at its own size (1 pt = 96/72 px), scaled down
+    only if it is wider than the page."""
+    from matplotlib.legend import Legend
+    from matplotlib.text import Text
+
+    width_px = fig.get_figwidth() * 96
+    scale = min(1.0, page_px / width_px) * 96 / 72
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    texts += [t for leg in fig.findobj(Legend) for t in leg.get_texts()]
+    return min(t.get_fontsize() for t in texts) * scale
 
 
 def render(outdir: Path = IMAGES) -> list[Path]:
