@@ -64,3 +64,43 @@ def test_bad_input():
         switch(1, 1.0)
     with pytest.raises(ValueError):
         ring(1, 1.0)
+
+
+def test_cables_switch_ports_and_wraparound():
+    t = torus((4, 4), 1.0)
+    assert len(t.cables) == 32 and t.switches == [] and t.switch_ports == 0
+    # one wraparound cable closes each of the 4 rows and 4 columns
+    assert t.wraparound == {tuple(sorted((f"d3,{y}", f"d0,{y}"))) for y in range(4)} | {
+        tuple(sorted((f"d{x},3", f"d{x},0"))) for x in range(4)}
+    assert torus((2, 4), 1.0).wraparound == {("d0,0", "d0,3"), ("d1,0", "d1,3")}
+    assert len(torus((4, 4, 4), 1.0).wraparound) == 3 * 16
+    s = switch(16, 1.0)
+    assert len(s.cables) == 16 and s.switches == ["switch"] and s.switch_ports == 16
+    ft = fat_tree(2, 8, 1.0, 1.0)
+    assert sorted(ft.switches) == ["nvsw0", "nvsw1", "spine"]
+    assert len(ft.cables) == 32 and ft.switch_ports == 32
+    # NVSwitches under their nodes, the spine above everything
+    assert ft.pos["nvsw0"][1] < ft.pos["n0g0"][1] < ft.pos["spine"][1]
+
+
+@pytest.mark.parametrize("k", [4, 8])
+def test_chips_on_a_torus_relay_what_is_not_theirs(k):
+    # every byte crosses mean_hops links and leaves its source on one of them, so
+    # the chips forward bytes * (hops - 1): a share 1 - 1/mean_hops of all link bytes
+    t = torus((k, k), 1.0)
+    r = route(t, all_to_all_transfers(t.devices, M))
+    n = k * k
+    assert sum(r.relayed.values()) == pytest.approx(
+        sum(M / n * (h - 1) for h in r.hops))
+    share = sum(r.relayed.values()) / sum(r.link_bytes.values())
+    assert share == pytest.approx(1 - 1 / r.mean_hops)
+    assert len(set(round(v, 6) for v in r.relayed.values())) == 1   # symmetric
+    # on a switch the switch forwards; no GPU relays anything
+    s = switch(n, 1.0)
+    assert set(route(s, all_to_all_transfers(s.devices, M)).relayed.values()) == {0.0}
+
+
+def test_ring_all_reduce_relays_nothing_on_a_torus():
+    t = torus((4, 4), 1.0)
+    r = route(t, ring_all_reduce_transfers(ring_order(t), M))
+    assert set(r.relayed.values()) == {0.0}

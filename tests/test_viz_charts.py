@@ -1,7 +1,10 @@
-"""labkit.viz charts (ledger_charts, tables, theory_charts): the data each figure
+"""labkit.viz charts (ledger, network and theory charts, tables): the data each figure
 draws, not pixels."""
 
+import re
+
 import matplotlib
+import numpy as np
 import pytest
 
 from labkit import viz
@@ -119,3 +122,178 @@ def test_memory_bars_with_named_keys_keep_order_and_labels():
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.get_xticklabels()]
     assert labels == ["fp32", "bf16 +\nfp32\nmaster", "rank 3"]  # no "rank fp32"
+
+
+# ------------------------------------------------------------- network charts
+
+
+def _cable_lines(fig):
+    """gid "link a|b" -> the Line2Ds drawn for that cable."""
+    out = {}
+    for line in fig.axes[0].lines:
+        gid = line.get_gid() or ""
+        if gid.startswith("link "):
+            out.setdefault(tuple(gid[5:].split("|")), []).append(line)
+    return out
+
+
+def _luminance(color):
+    r, g, b, a = matplotlib.colors.to_rgba(color)
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b, a
+
+
+def _drawn(fig):
+    """Lay the figure out as it will be shown (an Agg canvas: no pyplot)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return canvas.get_renderer()
+
+
+def _assert_every_cable_drawn_visibly(fig, topo):
+    _drawn(fig)
+    lines = _cable_lines(fig)
+    assert set(lines) == set(topo.cables)                       # every cable, once
+    w, h = fig.bbox.width, fig.bbox.height
+    for cable, drawn in lines.items():
+        length = 0.0
+        for line in drawn:
+            lum, alpha = _luminance(line.get_color())
+            assert line.get_visible() and alpha >= 0.9, cable
+            assert lum <= 0.8, (cable, line.get_color())            # shows on white
+            assert line.get_linewidth() >= 1.0, cable
+            px = line.get_transform().transform(line.get_xydata())
+            assert (px[:, 0] >= 0).all() and (px[:, 0] <= w).all(), cable   # on the
+            assert (px[:, 1] >= 0).all() and (px[:, 1] <= h).all(), cable   # canvas
+            length += float(((px[1:] - px[:-1]) ** 2).sum(axis=1).sum() ** 0.5)
+        assert length >= 20, (cable, length)   # longer than the markers it joins
+
+
+def _content_share(fig):
+    """Share of the figure's area inside the bounding box of what the axes draw."""
+    from matplotlib.transforms import Bbox
+
+    renderer, ax = _drawn(fig), fig.axes[0]
+    boxes = [a.get_window_extent(renderer) for a in (*ax.lines, *ax.collections,
+                                                     *ax.patches)]
+    boxes = [b for b in boxes if np.isfinite(b.get_points()).all()]
+    box = Bbox.union(boxes)
+    assert boxes and np.isfinite(box.get_points()).all()
+    return box.width * box.height / (fig.bbox.width * fig.bbox.height)
+
+
+def _colorbar(fig):
+    (cax,) = [a for a in fig.axes[1:] if getattr(a, "_colorbar", None)]
+    return cax._colorbar
+
+
+def test_link_load_draws_every_torus_cable_with_its_load():
+    from labkit.comm.topology import ring_all_reduce_transfers, ring_order, route, torus
+
+    t = torus((4, 4), 45e9)
+    r = route(t, ring_all_reduce_transfers(ring_order(t), 1e9))
+    fig = viz.link_load(r, t)
+    _assert_every_cable_drawn_visibly(fig, t)
+    cb = _colorbar(fig)
+    assert "GB" in cb.ax.get_ylabel() and cb.mappable.norm.vmax == pytest.approx(1.875)
+    lines = _cable_lines(fig)
+    used = {tuple(sorted(k)) for k in r.link_bytes}
+    assert len(used) == 16                                   # half the 32 cables
+    for cable, drawn in lines.items():
+        want = (cb.cmap(cb.mappable.norm(1.875)) if cable in used
+                else matplotlib.colors.to_rgba("#B0B0B0"))
+        assert all(matplotlib.colors.to_rgba(x.get_color()) == pytest.approx(want)
+                   for x in drawn), cable
+        assert all(x.get_linestyle() == ("-" if cable in used else "--")
+                   for x in drawn), cable
+    # the 8 wraparound cables are two stubs each, one out of each end
+    assert all(len(lines[c]) == 2 for c in t.wraparound) and len(t.wraparound) == 8
+    labels = [t_.get_text() for t_ in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["device", "cable not used",
+                      "wraparound cable: a stub at each end"]
+
+
+def test_link_load_draws_every_fat_tree_cable_and_fills_the_figure():
+    from labkit.comm.topology import all_to_all_transfers, fat_tree, route
+
+    ft = fat_tree(2, 8, 450e9, 50e9)
+    r = route(ft, all_to_all_transfers(ft.devices, 1e9))
+    fig = viz.link_load(r, ft, metric="seconds")
+    _assert_every_cable_drawn_visibly(fig, ft)
+    assert len(ft.cables) == 32 and _content_share(fig) >= 0.35   # not a blank image
+    cb = _colorbar(fig)
+    assert "ms" in cb.ax.get_ylabel()
+    assert cb.mappable.norm.vmax == pytest.approx(0.5e9 / 50e9 * 1e3)   # 10 ms on IB
+    lines = _cable_lines(fig)
+    spine = [c for c in ft.cables if "spine" in c]
+    nvlink = [c for c in ft.cables if "spine" not in c]
+    lum = {c: _luminance(lines[c][0].get_color())[0] for c in ft.cables}
+    assert max(lum[c] for c in spine) < min(lum[c] for c in nvlink)  # IB is darker
+    texts = {t.get_text() for t in fig.axes[0].texts}
+    assert texts == {"InfiniBand spine", "NVSwitch, node 0", "NVSwitch, node 1"}
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["device", "switch", "cable not used"]
+
+
+def test_link_load_ring_and_3d_torus_draw_every_cable():
+    from labkit.comm.topology import all_to_all_transfers, ring, route, torus
+
+    for topo in (ring(6, 1.0), torus((4, 4, 4), 1.0), torus((2, 4), 1.0)):
+        r = route(topo, all_to_all_transfers(topo.devices, 1.0))
+        fig = viz.link_load(r, topo)
+        assert set(_cable_lines(fig)) == set(topo.cables)
+    with pytest.raises(ValueError, match="metric"):
+        viz.link_load(r, topo, metric="GB")
+
+
+def test_hierarchy_table_lists_every_source_once_per_level():
+    from labkit.comm import hardware
+    from labkit.viz.network_charts import hierarchy_table
+
+    levels = hardware.H100_HIERARCHY + hardware.TPU_FIGURES
+    t = hierarchy_table(levels)
+    html = t._repr_html_()
+    assert html.count("<tr>") == len(levels) + 1
+    assert all(f"href='{lv.source}'" in html for lv in levels)
+    text = repr(t)
+    assert "http" not in text and len(text.splitlines()) == len(levels)
+    assert re.search(r"^TPU v4 ICI \(per chip, 6 links\) +270 GB/s  \(jax-ml", text,
+                     re.M)
+    assert re.search(r"^registers \(per SM\) +n/a  \(developer\.nvidia", text)
+
+
+def test_zero_bars_scale_to_small_models():
+    from labkit import theory
+
+    bd = {f"stage {s}": theory.zero_breakdown(124e6, 8, s) for s in range(4)}
+    ax = viz.zero_bars(bd, capacity=80e9).axes[0]
+    top = 16 * 124e6 / 1e9                                     # 1.98 GB of DP
+    assert top <= ax.get_ylim()[1] <= 1.2 * top               # the bars fill the plot
+    assert not [x for x in ax.lines if x.get_linestyle() == "--"]  # no line at 80
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels[-1] == "device memory 80 GB: above the chart, every bar fits"
+    # 16Ψ, 4Ψ + 12Ψ/8, 2Ψ + 14Ψ/8, 16Ψ/8 for Ψ = 0.124e9: 1.98, 0.68, 0.47, 0.25 GB
+    assert [t.get_text() for t in ax.texts] == ["2.0", "0.68", "0.47", "0.25"]
+
+
+def test_activation_chart_draws_korthikanti_per_sequence_length():
+    from labkit import theory
+
+    cfg = theory.MODELS["llama3-8b"]
+    seqs = [1024, 2048, 4096, 8192]
+    ax = viz_activation_chart(cfg, seqs, capacity=80e9).axes[0]
+    lines = {x.get_label(): x.get_ydata() for x in ax.lines}
+    want = [32 * theory.activation_memory(s, 1, 4096, 32) / 1e9 for s in seqs]
+    assert list(lines["attention scores stored"]) == pytest.approx(want)
+    flash = lines["no scores (FlashAttention)"]
+    assert flash[3] / flash[2] == pytest.approx(2.0)          # linear in s
+    full = lines["full recomputation"]
+    assert full[0] == pytest.approx(32 * 2 * 1024 * 4096 / 1e9)
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+
+
+def viz_activation_chart(*a, **kw):
+    from labkit.viz.theory_charts import activation_chart
+
+    return activation_chart(*a, **kw)

@@ -85,3 +85,55 @@ def test_placement_explorer_headless():
     w.preset.value = "DP"
     assert w.last[0].O == "Replicated" and w.last[2].ok
     assert w.last[1].traffic_total == pytest.approx(2 * 63 / 64 * 7.5e9 * 2)
+
+
+def test_zero_explorer_model_sets_psi_and_text_and_chart_agree():
+    w = viz.zero_explorer(n=8, stage=3)
+    w.model.value = "gpt2-small"
+    psi = theory.param_count("gpt2-small")                    # 124,439,808
+    assert w.params.value == psi and w.psi() == psi           # the slider follows
+    assert "Ψ = 124 million parameters on N = 8" in w.info.value
+    ax = w.figure.axes[0]
+    bars = _gb_bars(w.figure)
+    assert bars == pytest.approx([16 * psi / 1e9, (4 + 12 / 8) * psi / 1e9,
+                                  (2 + 14 / 8) * psi / 1e9, 16 * psi / 8 / 1e9])
+    assert bars == pytest.approx([v.total / 1e9 for v in w.last.values()])
+    assert f"<b>{16 * psi / 8 / 1e9:.3g} GB</b>" in w.info.value    # 0.249 GB
+    assert max(bars) <= ax.get_ylim()[1] <= 1.2 * max(bars)  # 2 GB bars fill it
+    # a hand-moved slider is no longer GPT-2: the dropdown says custom
+    w.params.value = 1e10
+    assert w.model.value == "custom" and w.psi() == 1e10
+    assert "Ψ = 10 billion" in w.info.value
+    assert _gb_bars(w.figure)[0] == pytest.approx(160.0)
+    # and picking a model again moves the slider back
+    w.model.value = "llama3-70b"
+    assert w.params.value == theory.param_count("llama3-70b")
+    # a front end rounding the slider (well under one 12% step) keeps the model
+    w.params.value = 1.001 * theory.param_count("llama3-70b")
+    assert w.model.value == "llama3-70b"
+    assert w.psi() == theory.param_count("llama3-70b")
+
+
+def test_zero_explorer_finds_n_that_is_not_a_power_of_two():
+    w = viz.zero_explorer(params=70e9, stage=3, n=13)
+    assert "does not fit in an 80 GB device" in w.info.value
+    w.n.value = 14                                             # 16 * 70e9 / 14 = 80e9
+    assert w.last["ZeRO-3"].total == 80e9
+    assert "<b>80.00 GB</b>" in w.info.value and "which fits" in w.info.value
+    w.model.value = "llama3-70b"
+    assert "does not fit" in w.info.value
+    w.n.value = 15
+    assert "which fits" in w.info.value
+
+
+def test_zero_explorer_starts_from_a_model():
+    w = viz.zero_explorer(model="llama3-8b", n=8)
+    assert w.model.value == "llama3-8b"
+    assert w.params.value == theory.param_count("llama3-8b")
+    assert w.last["DP"].total == pytest.approx(16 * theory.param_count("llama3-8b"))
+
+
+def test_ring_stepper_says_one_chunk():
+    w = viz.ring_stepper(4)
+    w.step.value = 1
+    assert "has sent 1 chunk of M/4" in w.info.value

@@ -53,9 +53,16 @@ H100_HIERARCHY = (
           "400 Gb/s line rate; DGX H100 has 8 such NICs, one per GPU", NDR),
 )
 
+# one link of each kind, to compare like with like: an H100's 450 GB/s is 18 links
+NVLINK4_LINK = Level("NVLink 4 (one link)", 25 * GB, "per direction", None,
+                     "one of an H100's 18 NVLink 4 links", HOPPER_BLOG)
+
 TPU_FIGURES = (
     Level("TPU v4 ICI link", 45 * GB, "per direction", None,
           "45 GB/s one way per link (90 bidirectional); 6 links per chip, 3D torus",
+          SCALING_BOOK_TPU),
+    Level("TPU v4 ICI (per chip, 6 links)", 6 * 45 * GB, "per direction", None,
+          "6 links x 45 GB/s each way: +-x, +-y, +-z of the 3D torus",
           SCALING_BOOK_TPU),
     Level("TPU v5p ICI (per chip)", 600 * GB, "per direction", None,
           "1200 GB/s bidirectional per chip; pods of 8960 chips in a 3D torus",

@@ -6,7 +6,9 @@
 
 Bandwidths are bytes per second per direction; a link (a, b) and (b, a) are the two
 directions of one cable. Routing is deterministic: dimension-order on a torus
-(shortest way round each ring, x first), through the switch otherwise.
+(shortest way round each ring, x first), through the switch otherwise. A device on
+a path between two others forwards the message (`Routed.relayed`): on a torus the
+chips do it, on a switched network the switches do.
 """
 
 from __future__ import annotations
@@ -23,12 +25,31 @@ class Topology:
     links: dict[tuple[str, str], float]  # (from, to) -> bytes/s, one direction
     pos: dict[str, tuple[float, float]] = field(default_factory=dict)
     _router: object = None
+    # cables that close a torus ring (drawn as two stubs): sorted (a, b) pairs
+    wraparound: frozenset = frozenset()
 
     def path(self, src: str, dst: str) -> list[str]:
         """The nodes a message from src to dst passes, src and dst included."""
         if src == dst:
             return [src]
         return self._router(src, dst)
+
+    @property
+    def cables(self) -> list[tuple[str, str]]:
+        """Every cable once, as a sorted (a, b) pair, in the order of `links`."""
+        return list(dict.fromkeys(tuple(sorted(k)) for k in self.links))
+
+    @property
+    def switches(self) -> list[str]:
+        """Nodes that are not devices: the switches messages pass through."""
+        devs = set(self.devices)
+        return list(dict.fromkeys(n for k in self.links for n in k if n not in devs))
+
+    @property
+    def switch_ports(self) -> int:
+        """Cable ends plugged into a switch (0 for a torus): a proxy for its cost."""
+        sw = set(self.switches)
+        return sum((a in sw) + (b in sw) for a, b in self.cables)
 
 
 def _both(links, a, b, bw):
@@ -52,12 +73,15 @@ def torus(dims: tuple[int, ...], link_bw: float, name: str | None = None) -> Top
     coords = list(itertools.product(*[range(d) for d in dims]))
     dev = {c: "d" + ",".join(map(str, c)) for c in coords}
     links: dict = {}
+    wrap = set()
     for c in coords:
         for axis, size in enumerate(dims):
             nxt = list(c)
             nxt[axis] = (c[axis] + 1) % size
             if dev[tuple(nxt)] != dev[c]:
                 _both(links, dev[c], dev[tuple(nxt)], link_bw)
+                if nxt[axis] == 0 and size > 2:  # closes the ring of this axis
+                    wrap.add(tuple(sorted((dev[c], dev[tuple(nxt)]))))
     pos = {dev[c]: ((c[0], 0.0) if len(dims) == 1 else
                     (c[0] + 0.25 * (c[2] if len(dims) > 2 else 0), c[1]
                      + 0.25 * (c[2] if len(dims) > 2 else 0))) for c in coords}
@@ -74,7 +98,8 @@ def torus(dims: tuple[int, ...], link_bw: float, name: str | None = None) -> Top
         return path
 
     label = name or ("x".join(map(str, dims)) + " torus")
-    return Topology(label, [dev[c] for c in coords], links, pos, router)
+    return Topology(label, [dev[c] for c in coords], links, pos, router,
+                    frozenset(wrap))
 
 
 def switch(n: int, link_bw: float, name: str | None = None) -> Topology:
@@ -93,20 +118,23 @@ def switch(n: int, link_bw: float, name: str | None = None) -> Topology:
 
 def fat_tree(nodes: int, per_node: int, nvlink_bw: float, ib_bw: float) -> Topology:
     """GPU cluster: in each node, GPUs share an NVSwitch; across nodes every GPU has
-    its own NIC into a non-blocking InfiniBand spine (DGX H100: 8 GPUs, 8 NICs)."""
+    its own NIC into a non-blocking InfiniBand "spine" (DGX H100: 8 GPUs, 8 NICs).
+    The spine is one switch here; a real cluster builds it from tiers of leaf and
+    spine switches with as much bandwidth up as down (a fat tree), so any half of
+    the GPUs can send to the other half at full NIC speed."""
     if nodes < 1 or per_node < 1 or nodes * per_node < 2:
         raise ValueError("need at least 2 GPUs in all")
     devs, links, pos = [], {}, {}
     for m in range(nodes):
         sw = f"nvsw{m}"
-        pos[sw] = (m * (per_node + 1) + (per_node - 1) / 2, 1.0)
+        pos[sw] = (m * (per_node + 1) + (per_node - 1) / 2, -1.0)  # below its node
         for i in range(per_node):
             d = f"n{m}g{i}"
             devs.append(d)
             pos[d] = (m * (per_node + 1) + i, 0.0)
             _both(links, d, sw, nvlink_bw)
             _both(links, d, "spine", ib_bw)
-    pos["spine"] = ((nodes * (per_node + 1) - 2) / 2, 2.0)
+    pos["spine"] = ((nodes * (per_node + 1) - 2) / 2, 1.5)  # above every node
 
     def router(s, t):
         same = s.split("g")[0] == t.split("g")[0]
@@ -160,6 +188,8 @@ class Routed:
     link_bytes: dict[tuple[str, str], float]
     hops: list[int]  # per transfer
     link_bw: dict[tuple[str, str], float]
+    # device -> bytes it passed on for others (it was neither source nor target)
+    relayed: dict[str, float] = field(default_factory=dict)
 
     @property
     def max_hops(self) -> int:
@@ -186,6 +216,7 @@ class Routed:
 def route(topo: Topology, transfers) -> Routed:
     """Send every (src, dst, bytes) over its path; add up each link's bytes."""
     load: dict = defaultdict(float)
+    relayed = {d: 0.0 for d in topo.devices}
     hops = []
     for src, dst, nbytes in transfers:
         path = topo.path(src, dst)
@@ -193,5 +224,8 @@ def route(topo: Topology, transfers) -> Routed:
             if (a, b) not in topo.links:
                 raise ValueError(f"{topo.name}: no link {a} -> {b}")
             load[(a, b)] += nbytes
+        for mid in path[1:-1]:
+            if mid in relayed:  # a device in the middle forwards; a switch is not one
+                relayed[mid] += nbytes
         hops.append(len(path) - 1)
-    return Routed(topo.name, dict(load), hops, topo.links)
+    return Routed(topo.name, dict(load), hops, topo.links, relayed)

@@ -1,8 +1,10 @@
-"""Charts of the closed forms: ZeRO's memory per device, a placement's cost."""
+"""Charts of the closed forms: ZeRO's memory per device, activations against
+sequence length, a placement's cost."""
 
 from __future__ import annotations
 
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from labkit.viz.style import CATEGORY_COLORS, _axes
 
@@ -16,7 +18,9 @@ def zero_bars(breakdowns, *, ax=None, unit: float = 1e9, unit_name: str = "GB",
               title: str = "Model states per device") -> Figure:
     """Stacked bars (parameters, gradients, optimizer state) per label, as in the
     ZeRO paper's figure 1. breakdowns: label -> labkit.theory.ZeroMemory (or any
-    object with params, grads, optimizer). capacity: a device's memory, drawn."""
+    object with params, grads, optimizer). capacity: a device's memory, drawn as a
+    line where it is within reach of the bars; far above them the legend says so
+    instead, so that the y-axis always scales to the bars themselves."""
     labels = list(breakdowns)
     fig, ax = _axes(ax, (1.5 + 1.3 * len(labels), 3.8))
     bottom = [0.0] * len(labels)
@@ -26,17 +30,63 @@ def zero_bars(breakdowns, *, ax=None, unit: float = 1e9, unit_name: str = "GB",
                width=0.6)
         bottom = [b + h for b, h in zip(bottom, heights)]
     for i, (label, total) in enumerate(zip(labels, bottom)):
-        ax.text(i, total, f"{total:,.1f}", ha="center", va="bottom", fontsize=9,
+        ax.text(i, total, f"{total:,.1f}" if total >= 1 else f"{total:.2g}",
+                ha="center", va="bottom", fontsize=9,
                 fontweight="bold" if label == highlight else "normal")
+    top = max(bottom, default=0.0) or 1.0
+    handles, names = ax.get_legend_handles_labels()
     if capacity:
-        ax.axhline(capacity / unit, color="black", ls="--", lw=1,
-                   label=f"device memory {capacity / unit:,.0f} {unit_name}")
+        cap = capacity / unit
+        if cap <= 1.5 * top:
+            handles.append(ax.axhline(cap, color="black", ls="--", lw=1))
+            names.append(f"device memory {cap:,.0f} {unit_name}")
+            top = max(top, cap)
+        else:  # a line at 80 GB would squash 2 GB bars into the floor
+            handles.append(Patch(color="none"))
+            names.append(f"device memory {cap:,.0f} {unit_name}: above the chart, "
+                         "every bar fits")
+    ax.set_ylim(0, 1.15 * top)
     ax.set_xticks(range(len(labels)), labels)
     if highlight in labels:
         ax.get_xticklabels()[labels.index(highlight)].set_fontweight("bold")
     ax.set_ylabel(unit_name)
     ax.set_title(title)
-    ax.legend(fontsize="small", loc="upper right")
+    ax.legend(handles, names, fontsize="small", loc="upper left",
+              bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+def activation_chart(config, seqs, *, batch: int = 1, ax=None,
+                     capacity: float | None = None, unit: float = 1e9,
+                     unit_name: str = "GB") -> Figure:
+    """Activation bytes of a whole model (all layers) against sequence length, from
+    Korthikanti et al.'s per-layer count (labkit.theory.activation_memory): with
+    the s x s attention scores stored, without them (FlashAttention, or selective
+    recomputation), and with full recomputation (each layer's input only). Log-log,
+    so a line's slope is its power of s: 2 for the scores, 1 for the rest."""
+    from labkit import theory
+
+    c = theory.MODELS[config] if isinstance(config, str) else config
+    seqs = list(seqs)
+    fig, ax = _axes(ax, (6.4, 3.8))
+    curves = (("attention scores stored", {}, "#C44E52", "-"),
+              ("no scores (FlashAttention)", {"attention_scores": False},
+               "#4C72B0", "-"),
+              ("full recomputation", {"recompute": "full"}, "#55A868", "--"))
+    for label, kw, color, ls in curves:
+        ys = [c.layers * theory.activation_memory(s, batch, c.hidden, c.heads, **kw)
+              / unit for s in seqs]
+        ax.plot(seqs, ys, ls, marker="o", ms=3, color=color, label=label)
+    if capacity:
+        ax.axhline(capacity / unit, color="black", ls=":", lw=1,
+                   label=f"device memory {capacity / unit:,.0f} {unit_name}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length s (tokens)")
+    ax.set_ylabel(f"{unit_name}, all {c.layers} layers, batch {batch}")
+    ax.set_title(f"{c.name}: activations against sequence length (estimate)",
+                 fontsize=10)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 
 

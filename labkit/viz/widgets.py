@@ -57,8 +57,9 @@ class RingStepper(W.VBox):
         self.last = st
         n = self.n.value
         sent = self.step.value * 1.0 / n
+        chunks = "chunk" if self.step.value == 1 else "chunks"
         self.info.value = (f"after step {self.step.value} of {2 * (n - 1)}: each rank "
-                           f"has sent {self.step.value} chunks of M/{n} = "
+                           f"has sent {self.step.value} {chunks} of M/{n} = "
                            f"{sent:.3g}·M (the whole run: 2(N-1)/N·M = "
                            f"{2 * (n - 1) / n:.3g}·M)")
         _show(self.out, ring_grid(st))
@@ -73,20 +74,34 @@ def ring_stepper(n: int = 4) -> RingStepper:
 
 
 _POWERS_OF_TWO = [2**i for i in range(0, 11)]
+DEVICE_MEMORY = 80 * GB  # an H100's HBM, the dashed line
+
+
+def _gb(nbytes: float) -> str:
+    v = nbytes / GB
+    return f"{v:,.2f}" if v >= 1 else f"{v:.3g}"
+
+
+def _params_text(psi: float) -> str:
+    return f"{psi / 1e9:,.3g} billion" if psi >= 1e9 else f"{psi / 1e6:,.3g} million"
 
 
 class ZeroExplorer(W.VBox):
-    """Per-device model states for DP and ZeRO-1/2/3 side by side."""
+    """Per-device model states for DP and ZeRO-1/2/3 side by side.
+
+    Picking a model sets the Ψ slider to its parameter count; moving the slider
+    away from it makes the model "custom". N takes any whole number (the smallest N
+    that fits is rarely a power of two), typed or slid."""
 
     def __init__(self, model: str = "custom", params: float = 7.5e9, n: int = 64,
                  k: int = 12, stage: int = 3, precision: str = "mixed"):
-        self.model = W.Dropdown(options=["custom", *theory.MODELS], value=model,
+        self.model = W.Dropdown(options=["custom", *theory.MODELS], value="custom",
                                 description="model")
         self.params = W.FloatLogSlider(value=params, base=10, min=8, max=12,
                                        step=0.05, description="Ψ (params)",
                                        continuous_update=False, readout_format=".3g")
-        self.n = W.SelectionSlider(options=_POWERS_OF_TWO, value=n,
-                                   description="devices N", continuous_update=False)
+        self.n = W.IntSlider(value=n, min=1, max=1024, description="devices N",
+                             continuous_update=False)
         self.k = W.IntSlider(value=k, min=0, max=20, description="K (bytes)",
                              continuous_update=False)
         self.stage = W.IntSlider(value=stage, min=0, max=3, description="stage",
@@ -97,18 +112,44 @@ class ZeroExplorer(W.VBox):
         self.info = W.HTML()
         self.out = W.Output()
         self.last: dict[str, theory.ZeroMemory] = {}
-        for w in (self.model, self.params, self.n, self.k, self.stage,
-                  self.precision):
+        self.figure = None  # the chart drawn last
+        self._syncing = False
+        self.model.observe(self._on_model, names="value")
+        self.params.observe(self._on_params, names="value")
+        for w in (self.n, self.k, self.stage, self.precision):
             w.observe(self._draw, names="value")
         super().__init__([W.HBox([self.model, self.precision]),
                           W.HBox([self.params, self.n]), W.HBox([self.k, self.stage]),
                           self.info, self.out])
-        self._draw()
+        if model != "custom":
+            self.model.value = model  # sets Ψ and draws
+        else:
+            self._draw()
 
     def psi(self) -> float:
         if self.model.value == "custom":
             return self.params.value
         return float(theory.param_count(self.model.value))
+
+    def _on_model(self, change=None) -> None:
+        if self.model.value != "custom":
+            self._syncing = True  # the slider follows the model: one draw, not two
+            try:
+                self.params.value = self.psi()
+            finally:
+                self._syncing = False
+        self._draw()
+
+    def _on_params(self, change=None) -> None:
+        if self._syncing:
+            return
+        # a front end may round the slider's value; a hand's move is >= 12% (a step)
+        if self.model.value != "custom" and abs(self.params.value / self.psi()
+                                                 - 1) > 0.01:
+            self.model.unobserve(self._on_model, names="value")
+            self.model.value = "custom"  # a hand-picked Ψ is no longer that model
+            self.model.observe(self._on_model, names="value")
+        self._draw()
 
     def _draw(self, change=None) -> None:
         psi, n, k = self.psi(), self.n.value, self.k.value
@@ -118,13 +159,16 @@ class ZeroExplorer(W.VBox):
                                                 grad_bytes=b)
                      for s, lab in enumerate(labels)}
         chosen = labels[self.stage.value]
+        mine = self.last[chosen].total
         traffic = sum(theory.zero_traffic(psi, n, self.stage.value, b).values())
+        fits = "fits" if mine <= DEVICE_MEMORY else "does not fit"
         self.info.value = (
-            f"Ψ = {psi:,.3g} parameters on N = {n}: {chosen} keeps "
-            f"<b>{self.last[chosen].total / GB:,.2f} GB</b> of model state per device "
-            f"(DP: {self.last['DP'].total / GB:,.1f} GB) and sends "
-            f"{traffic / GB:,.2f} GB per step.")
-        _show(self.out, zero_bars(self.last, highlight=chosen, capacity=80 * GB))
+            f"Ψ = {_params_text(psi)} parameters on N = {n}: {chosen} keeps "
+            f"<b>{_gb(mine)} GB</b> of model state per device, which {fits} in "
+            f"an {DEVICE_MEMORY / GB:,.0f} GB device (DP: "
+            f"{_gb(self.last['DP'].total)} GB), and sends {_gb(traffic)} GB per step.")
+        self.figure = zero_bars(self.last, highlight=chosen, capacity=DEVICE_MEMORY)
+        _show(self.out, self.figure)
 
 
 def zero_explorer(**kw) -> ZeroExplorer:
