@@ -1,0 +1,306 @@
+"""Tensor parallelism (张量并行), Megatron-LM's way (Shoeybi et al. 2019, "Megatron-LM:
+Training Multi-Billion Parameter Language Models Using Model Parallelism", sec. 3):
+each of t ranks of a group keeps 1/t of every weight matrix of a layer and
+computes on the whole batch.
+
+    fc1 = ColumnParallelLinear(h, 4*h, group)        # W split by output rows
+    fc2 = RowParallelLinear(4*h, h, group)           # W split by input columns
+    y = fc2(F.gelu(fc1(x)))                          # x, y: whole, on every rank
+
+A column-parallel layer's input passes through f (identity forward, all-reduce
+backward) and leaves as this rank's slice of the output features; a row-parallel
+layer takes that slice, multiplies by its columns of W and passes the partial
+sums through g (all-reduce forward, identity backward). Column then row: one
+all-reduce forward and one backward per pair, none in between (sec. 3, fig. 3).
+With sequence_parallel=True (Korthikanti et al. 2022, sec. 4.2.2) the input is
+the sequence shard [s/t, b, h] and is all-gathered instead of f; the output is
+reduce-scattered to a sequence shard instead of g.
+
+Initialization: weights are drawn as nn.Linear draws them (uniform, bound
+1/sqrt(full in_features)), each rank its own slice from its own generator;
+biases start at zero, as in Megatron. `from_linear` / `from_mlp` /
+`from_attention` take this rank's slice of a single-process module instead, so a
+test or a chapter compares with one process. Layout: [s, b, h] (sequence first,
+as Megatron) for attention; the MLP takes any (..., h). The operators themselves
+live in tensor_parallel_mappings.py and are re-exported here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.parallel.tensor_parallel_mappings import (
+    copy_to_tensor_model_parallel_region,
+    divide,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+
+__all__ = [
+    "MLP", "ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention",
+    "RowParallelLinear", "SelfAttention", "copy_to_tensor_model_parallel_region",
+    "divide", "gather_from_sequence_parallel_region",
+    "gather_from_tensor_model_parallel_region",
+    "reduce_from_tensor_model_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region", "scatter_to_tensor_model_parallel_region",
+]
+
+
+def _group_of(group, who: str):
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{who} needs a torch.distributed process group: build it "
+                           "inside a function you run on the ranks (cluster.run(fn))")
+    group = dist.group.WORLD if group is None else group
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+def _uniform_(t: torch.Tensor, fan_in: int) -> torch.Tensor:
+    bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0  # nn.Linear's bound
+    return nn.init.uniform_(t, -bound, bound)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X Wᵀ + b with W (out, in) split by output rows: this rank keeps rows
+    [r*out/t, (r+1)*out/t) of W and b. Forward: f (or, sequence_parallel, the
+    all-gather of the sequence shard), then the local matmul; the output is this
+    rank's slice of the features (..., out/t), or with gather_output=True the
+    whole (..., out), all-gathered."""
+
+    def __init__(self, in_features: int, out_features: int, group=None,
+                 bias: bool = True, gather_output: bool = False,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.tp, self.tp_rank = _group_of(group, "ColumnParallelLinear")
+        if gather_output and sequence_parallel:
+            raise ValueError("ColumnParallelLinear: gather_output=True and "
+                             "sequence_parallel=True do not go together (the "
+                             "output of a sequence-parallel pair stays split)")
+        self.in_features, self.out_features = in_features, out_features
+        self.out_per_rank = divide(out_features, self.tp, "out_features")
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.weight = nn.Parameter(_uniform_(torch.empty(self.out_per_rank,
+                                                         in_features), in_features))
+        self.bias = nn.Parameter(torch.zeros(self.out_per_rank)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **kw) -> ColumnParallelLinear:
+        """This rank's rows of a single-process `linear` (copied)."""
+        layer = cls(linear.in_features, linear.out_features, group,
+                    bias=linear.bias is not None, **kw)
+        rows = slice(layer.tp_rank * layer.out_per_rank,
+                     (layer.tp_rank + 1) * layer.out_per_rank)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[rows])
+            if layer.bias is not None:
+                layer.bias.copy_(linear.bias[rows])
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:  # (s/t, b, in) -> (s, b, in)
+            x = gather_from_sequence_parallel_region(x, self.group)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.group)  # f
+        y = F.linear(x, self.weight, self.bias)  # (..., in) -> (..., out/t)
+        if self.gather_output:
+            y = gather_from_tensor_model_parallel_region(y, self.group)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"({self.out_per_rank} on this rank of {self.tp}), "
+                f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X Wᵀ + b with W (out, in) split by input columns: this rank keeps
+    columns [r*in/t, (r+1)*in/t) of W and the whole b. Forward: the local matmul
+    on this rank's slice of the input features (with input_is_parallel=False the
+    whole input is sliced first), then g (or, sequence_parallel, a reduce-scatter
+    to the sequence shard), then the bias, once, after the reduction. With
+    sequence_parallel the bias sees a sequence shard only: its gradient must be
+    all-reduced over the group (the bias carries `sequence_parallel = True`)."""
+
+    def __init__(self, in_features: int, out_features: int, group=None,
+                 bias: bool = True, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.tp, self.tp_rank = _group_of(group, "RowParallelLinear")
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True needs "
+                             "input_is_parallel=True (the input is already split)")
+        self.in_features, self.out_features = in_features, out_features
+        self.in_per_rank = divide(in_features, self.tp, "in_features")
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        self.weight = nn.Parameter(_uniform_(torch.empty(out_features,
+                                                         self.in_per_rank),
+                                             in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        if self.bias is not None:
+            self.bias.sequence_parallel = sequence_parallel
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **kw) -> RowParallelLinear:
+        """This rank's columns of a single-process `linear`, and its whole bias."""
+        layer = cls(linear.in_features, linear.out_features, group,
+                    bias=linear.bias is not None, **kw)
+        cols = slice(layer.tp_rank * layer.in_per_rank,
+                     (layer.tp_rank + 1) * layer.in_per_rank)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[:, cols])
+            if layer.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:  # (..., in) -> (..., in/t)
+            x = scatter_to_tensor_model_parallel_region(x, self.group)
+        partial = F.linear(x, self.weight)  # (..., in/t) -> (..., out), a part sum
+        if self.sequence_parallel:  # (s, b, out) -> (s/t, b, out)
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.group)
+        else:
+            y = reduce_from_tensor_model_parallel_region(partial, self.group)  # g
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} ({self.in_per_rank} on this rank "
+                f"of {self.tp}), out_features={self.out_features}, "
+                f"bias={self.bias is not None}, "
+                f"input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+# -- the single-process references ------------------------------------------------
+
+
+def _head_dim(hidden: int, heads: int) -> int:
+    if heads < 1 or hidden % heads:
+        raise ValueError(f"hidden = {hidden} is not divisible by heads = {heads}: "
+                         "every head needs hidden / heads features")
+    return hidden // heads
+
+
+class MLP(nn.Module):
+    """A transformer's MLP in one process: fc2(gelu(fc1(x))), (..., h) -> (..., h)."""
+
+    def __init__(self, hidden: int, ffn_hidden: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, ffn_hidden), nn.Linear(ffn_hidden,
+                                                                      hidden)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention in one process, [s, b, h] -> [s, b, h]: q, k, v
+    and the output projection `proj` are nn.Linear(h, h); head i is features
+    [i*d, (i+1)*d), d = h / heads. The number of heads is read from q's output
+    (-1 in the view), so the module also runs on PyTorch's DTensor shards."""
+
+    def __init__(self, hidden: int, heads: int, causal: bool = True):
+        super().__init__()
+        self.head_dim = _head_dim(hidden, heads)
+        self.heads, self.causal = heads, causal
+        self.q, self.k, self.v, self.proj = (nn.Linear(hidden, hidden)
+                                             for _ in range(4))
+
+    def forward(self, x):
+        s, b = x.shape[:2]
+        q, k, v = (m(x).view(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
+                   for m in (self.q, self.k, self.v))  # (b, heads, s, d)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.proj(o.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+# -- the parallel blocks ----------------------------------------------------------
+
+
+class ParallelMLP(nn.Module):
+    """MLP split over the group: fc1 column-parallel, GeLU on this rank's ffn/t
+    features, fc2 row-parallel. One all-reduce forward (g), one backward (f);
+    with sequence_parallel an all-gather and a reduce-scatter each way instead."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, group=None,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, group,
+                                        sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear(ffn_hidden, hidden, group,
+                                     sequence_parallel=sequence_parallel)
+
+    @classmethod
+    def from_mlp(cls, mlp: MLP, group=None, sequence_parallel: bool = False
+                 ) -> ParallelMLP:
+        """This rank's part of a single-process `MLP` (or any module with Linear
+        fc1 and fc2)."""
+        out = cls(mlp.fc1.in_features, mlp.fc1.out_features, group,
+                  sequence_parallel)
+        kw = {"sequence_parallel": sequence_parallel}
+        out.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, group, **kw)
+        out.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, **kw)
+        return out
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))  # (.., h) -> (.., f/t) -> (.., h)
+
+
+class ParallelSelfAttention(nn.Module):
+    """Self-attention with its heads split over the group, [s, b, h] -> [s, b, h]
+    (with sequence_parallel, [s/t, b, h] -> [s/t, b, h]). q, k and v are one
+    column-parallel layer `qkv` (h -> 3h, this rank's rows: the q, then k, then v
+    features of its heads), so the input passes one f; this rank computes
+    attention for its heads/t heads; `proj` is row-parallel (one g)."""
+
+    def __init__(self, hidden: int, heads: int, group=None,
+                 sequence_parallel: bool = False, causal: bool = True):
+        super().__init__()
+        _, tp, _ = _group_of(group, "ParallelSelfAttention")
+        self.head_dim = _head_dim(hidden, heads)
+        self.local_heads = divide(heads, tp, "heads")
+        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, group,
+                                        sequence_parallel=sequence_parallel)
+        self.hidden, self.heads, self.causal = hidden, heads, causal
+        self.proj = RowParallelLinear(hidden, hidden, group,
+                                      sequence_parallel=sequence_parallel)
+
+    @classmethod
+    def from_attention(cls, attn: SelfAttention, group=None,
+                       sequence_parallel: bool = False) -> ParallelSelfAttention:
+        """This rank's heads of a single-process `SelfAttention`."""
+        hidden = attn.q.in_features
+        out = cls(hidden, hidden // attn.head_dim, group, sequence_parallel,
+                  attn.causal)
+        r, k = out.qkv.tp_rank, hidden // out.qkv.tp
+        mine = slice(r * k, (r + 1) * k)  # this rank's heads' features
+        with torch.no_grad():
+            out.qkv.weight.copy_(torch.cat([m.weight[mine]
+                                            for m in (attn.q, attn.k, attn.v)]))
+            out.qkv.bias.copy_(torch.cat([m.bias[mine]
+                                          for m in (attn.q, attn.k, attn.v)]))
+        out.proj = RowParallelLinear.from_linear(attn.proj, group,
+                                                 sequence_parallel=sequence_parallel)
+        return out
+
+    def forward(self, x):
+        qkv = self.qkv(x)  # (s, b, 3h/t), whole sequence (gathered if parallel)
+        s, b = qkv.shape[:2]
+        q, k, v = (t.view(s, b, self.local_heads, self.head_dim).permute(1, 2, 0, 3)
+                   for t in qkv.chunk(3, dim=-1))  # (b, heads/t, s, d)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.proj(o.permute(2, 0, 1, 3).reshape(s, b, -1))  # (s, b, h/t)
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden}, heads={self.heads} ({self.local_heads} on "
+                f"this rank), causal={self.causal}")

@@ -1,0 +1,234 @@
+"""Tensor parallelism's conjugate operators (tensor_parallel.py's helper), with
+Megatron-LM's names (Shoeybi et al. 2019, sec. 3, fig. 3; sequence parallelism:
+Korthikanti et al. 2022, sec. 4.2.2). Each is an autograd Function over the ranks
+of an explicit process group (None: the default world group); on one rank each is
+the identity.
+
+| operator                                     | forward          | backward         |
+|----------------------------------------------|------------------|------------------|
+| copy_to_tensor_model_parallel_region (f)     | identity         | all-reduce       |
+| reduce_from_tensor_model_parallel_region (g) | all-reduce       | identity         |
+| scatter_to_tensor_model_parallel_region      | keep my last-dim | all-gather last  |
+| gather_from_tensor_model_parallel_region     | all-gather last  | keep my last-dim |
+| scatter_to_sequence_parallel_region          | keep my dim-0    | all-gather dim 0 |
+| gather_from_sequence_parallel_region         | all-gather dim 0 | reduce-scatter 0 |
+| reduce_scatter_to_sequence_parallel_region   | reduce-scatter 0 | all-gather dim 0 |
+
+Sequence-parallel operators use the sequence-first layout [s, b, h]: a rank's
+shard is rows [r*s/t, (r+1)*s/t) of dim 0. Reduce-scatter is an all-to-all and a
+local sum, as in zero_buckets.py (gloo's reduce_scatter sends all-reduce bytes),
+so the traffic ledger lists it as all_to_all; all-gather is one all_gather_single
+into a 1-D buffer (gloo's all-gather takes only a 1-D output), listed as
+all_gather. A size that does not divide by the group's size raises ValueError.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def divide(n: int, t: int, what: str) -> int:
+    """n // t, or ValueError naming both sizes when t does not divide n."""
+    if n % t:
+        raise ValueError(f"{what} = {n} is not divisible by the tensor-parallel "
+                         f"size {t}: each of the {t} ranks must get an equal part")
+    return n // t
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group)
+
+
+# -- the collectives, on plain tensors -------------------------------------------
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if _size(group) == 1:
+        return x
+    out = x.contiguous().clone()  # never sum into a tensor autograd may have saved
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _gather_flat(x: torch.Tensor, group) -> torch.Tensor:
+    """(t, *x.shape): every rank's x, in group-rank order."""
+    t = _size(group)
+    out = x.new_empty(t * x.numel())
+    dist.all_gather_single(out, x.contiguous().view(-1), group=group)
+    return out.view(t, *x.shape)
+
+
+def _all_gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    """(..., h/t) on each rank -> (..., h), rank r's part at [r*h/t, (r+1)*h/t)."""
+    if _size(group) == 1:
+        return x
+    parts = _gather_flat(x, group)  # (t, ..., h/t)
+    return torch.cat(parts.unbind(0), dim=-1)
+
+
+def _all_gather_first(x: torch.Tensor, group) -> torch.Tensor:
+    """(s/t, ...) on each rank -> (s, ...), rank r's rows at [r*s/t, (r+1)*s/t)."""
+    if _size(group) == 1:
+        return x
+    parts = _gather_flat(x, group)  # (t, s/t, ...): concatenated along dim 0
+    return parts.view(x.shape[0] * parts.shape[0], *x.shape[1:])
+
+
+def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
+    """(s, ...) on each rank -> (s/t, ...): rank r gets rows [r*s/t, (r+1)*s/t)
+    summed over the ranks. An all-to-all sends chunk q to rank q; each rank sums
+    the t chunks it receives, in rank order."""
+    t = _size(group)
+    if t == 1:
+        return x
+    rows = divide(x.shape[0], t, "the sequence length (dim 0)")
+    got = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(got, x.contiguous(), group=group)
+    return got.view(t, rows, *x.shape[1:]).sum(0)
+
+
+def _keep_last(x: torch.Tensor, group) -> torch.Tensor:
+    t = _size(group)
+    if t == 1:
+        return x
+    k = divide(x.shape[-1], t, "the last dimension")
+    r = _rank(group)
+    return x[..., r * k:(r + 1) * k].contiguous()
+
+
+def _keep_first(x: torch.Tensor, group) -> torch.Tensor:
+    t = _size(group)
+    if t == 1:
+        return x
+    k = divide(x.shape[0], t, "the sequence length (dim 0)")
+    r = _rank(group)
+    return x[r * k:(r + 1) * k].contiguous()
+
+
+# -- the autograd Functions ------------------------------------------------------
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _keep_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_last(grad, ctx.group), None
+
+
+class _GatherLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _keep_last(grad, ctx.group), None
+
+
+class _ScatterFirst(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _keep_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_first(grad, ctx.group), None
+
+
+class _GatherFirst(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_first(grad, ctx.group), None
+
+
+class _ReduceScatterFirst(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_first(grad, ctx.group), None
+
+
+# -- the operators ---------------------------------------------------------------
+
+
+def copy_to_tensor_model_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """f: identity forward, all-reduce (sum) of the gradient backward."""
+    return _Copy.apply(x, group)
+
+
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group=None
+                                             ) -> torch.Tensor:
+    """g: all-reduce (sum) forward, identity backward."""
+    return _Reduce.apply(x, group)
+
+
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group=None
+                                            ) -> torch.Tensor:
+    """Keep this rank's slice of the last dim forward; all-gather it backward."""
+    return _ScatterLast.apply(x, group)
+
+
+def gather_from_tensor_model_parallel_region(x: torch.Tensor, group=None
+                                             ) -> torch.Tensor:
+    """All-gather along the last dim forward; keep this rank's slice backward."""
+    return _GatherLast.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Keep this rank's rows of dim 0 ([s, b, h] -> [s/t, b, h]) forward;
+    all-gather dim 0 backward."""
+    return _ScatterFirst.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """All-gather dim 0 forward ([s/t, b, h] -> [s, b, h]); reduce-scatter dim 0
+    backward."""
+    return _GatherFirst.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None
+                                               ) -> torch.Tensor:
+    """Reduce-scatter dim 0 forward ([s, b, h] partial sums -> [s/t, b, h] of the
+    total); all-gather dim 0 backward."""
+    return _ReduceScatterFirst.apply(x, group)
