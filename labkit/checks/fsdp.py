@@ -1,8 +1,14 @@
-"""Chapter 07's check: the ZeRO-3 forward hook pair (gather before, free after)."""
+"""Chapter 07's checks: the ZeRO-3 forward hook pair (gather before, free after),
+and the share of the weights a rank holds at its peak."""
 
 from __future__ import annotations
 
-from labkit.checks.common import ExerciseError, run_answer
+from labkit.checks.common import (
+    NOT_WRITTEN,
+    ExerciseError,
+    call_answer,
+    run_answer,
+)
 
 IN, OUT = 10, 7  # a Linear whose weight (70) and bias (7) are not multiples of 4
 
@@ -120,4 +126,34 @@ def check_zero3_hooks(cluster, fn) -> bool:
                 "parameter brings every rank's shard to every rank")
     print("correct: every rank gathered the weight and bias in rank order, trimmed "
           "the padding, computed the full layer's output, and freed both after")
+    return True
+
+
+def check_peak_share(fn, measured: dict[tuple[int, int], float]) -> bool:
+    """`fn(n_ranks, n_units)`: the fraction of a model's whole fp32 weights one rank
+    holds at its peak under FSDP with prefetch, for `n_units` equal units on
+    `n_ranks` ranks. `measured`: {(n_ranks, n_units): the fraction a memory
+    ledger measured}; the answer must match those within 0.1% and the closed
+    form (its shards, plus the unit computing and the one prefetched, whole)
+    for other sizes."""
+    cases = dict(measured)
+    for n, u in ((2, 8), (4, 32), (8, 8), (64, 96)):
+        cases.setdefault((n, u), 1 / n + 2 / u)
+    for (n, u), want in cases.items():
+        got = call_answer(fn, n, u, what="peak share")
+        if got is NOT_WRITTEN:
+            return False
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            raise ExerciseError(f"peak_share({n}, {u}) returned {got!r}: return a "
+                                "number, the fraction of the whole fp32 weights")
+        if abs(got - want) > 1e-3 * want:
+            source = ("the memory ledger measured" if (n, u) in measured
+                      else "expected")
+            raise ExerciseError(
+                f"peak_share({n}, {u}) = {got:.4g}, but {source} {want:.4g}. Hint: "
+                "between units a rank keeps 1/N of every unit; at the peak one unit "
+                "is computing and, with prefetch, the next is already gathered, "
+                "both whole")
+    print("correct: the shards (1/N of every unit) plus two whole units, as the "
+          "ledger measured" + (f" for {sorted(measured)}" if measured else ""))
     return True
