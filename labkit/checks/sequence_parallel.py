@@ -1,0 +1,254 @@
+"""Chapter 11's checks: the online-softmax merge that ring attention runs on every
+block, and a sequence-parallel MLP's forward (all-gather in, reduce-scatter out).
+Each runs the answer on the ranks against one process, with a short time limit:
+a rank left waiting in a collective is reported in seconds."""
+
+from __future__ import annotations
+
+from labkit.checks.common import (
+    SHORT_TIMEOUT,
+    ExerciseError,
+    check_like,
+    first_wrong,
+    run_answer,
+)
+
+RING = (2, 2, 8, 4)  # batch, heads, sequence, head dim: 8 positions, 2 per rank
+MERGE_TOL = 1e-5  # fp32, relative to the largest expected element
+SEQ, BATCH, HIDDEN, FFN = 8, 2, 6, 8  # the MLP of exercise 2: Linear(6, 8), (8, 6)
+MLP_TOL = 1e-5
+
+
+def _fmt(shape) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def _wrong(got, want, rel):
+    """(index, got, expected) of the first element off by more than rel of the
+    largest expected element (NaN and inf are off), or None."""
+    tol = rel * max(float(want.abs().max()), 1e-12)
+    i = first_wrong(got, want, atol=tol)
+    return None if i is None else (i, float(got[i]), float(want[i]))
+
+
+# -- exercise 1: the online-softmax merge -------------------------------------------
+
+
+def _pair(seed: int, spread: float):
+    """Two partials over disjoint keys for 2 x 3 query rows, scores up to
+    `spread` apart, and the partial over both keys sets (by definition)."""
+    import torch
+
+    from labkit.parallel.ring_attention import block_partial
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 3, 4, generator=g)
+    k = torch.randn(2, 10, 4, generator=g)
+    v = torch.randn(2, 10, 4, generator=g)
+    k[:, 5:] *= 1 + spread  # the second block's scores run far above the first's
+    a, b = block_partial(q, k[:, :5], v[:, :5], 1.0), block_partial(q, k[:, 5:],
+                                                                    v[:, 5:], 1.0)
+    return a, b, block_partial(q, k, v, 1.0)
+
+
+def _merge_worker(rank, world_size, fn):
+    import torch
+
+    from labkit.parallel.ring_attention import Partial, attention, ring_attention
+
+    def merge(a, b):  # a plain tuple or list of the three tensors will do
+        got = fn(a, b)
+        return Partial(*got) if isinstance(got, (tuple, list)) and len(got) == 3 \
+            else got
+
+    out = {"pairs": []}
+    for seed, spread in ((rank, 0.0), (10 + rank, 30.0)):
+        a, b, want = _pair(seed, spread)
+        out["pairs"].append((merge(a, b), want, spread))
+    ok = all(isinstance(got, Partial) and all(
+        isinstance(x, torch.Tensor) and x.shape == y.shape for x, y in zip(got, want))
+        for got, want, _ in out["pairs"])
+    out["ring"] = out["want"] = None
+    if not ok:  # the kernel says what is wrong with the pairs: no ring needed
+        return out
+    g = torch.Generator().manual_seed(99)
+    q, k, v = (torch.randn(RING, generator=g) for _ in range(3))
+    c = RING[2] // world_size
+    rows = slice(rank * c, (rank + 1) * c)
+    with torch.no_grad():
+        out["ring"] = ring_attention(q[..., rows, :].clone(), k[..., rows, :].clone(),
+                                     v[..., rows, :].clone(), causal=True,
+                                     merge_fn=merge)
+    out["want"] = attention(q, k, v, causal=True)[..., rows, :]
+    return out
+
+
+def _merge_hint(name, got, a, b) -> str:
+    import torch
+
+    if name == "m":
+        return ("m is the running max: the larger of the two maxima, torch.maximum("
+                "a.m, b.m), so that every exp(...) below is at most 1 and never "
+                "overflows")
+    plain = (a.acc + b.acc) if name == "acc" else (a.l + b.l)
+    if got.shape == plain.shape and torch.allclose(got, plain, rtol=1e-5):
+        return (f"{name} is a.{name} + b.{name}, not rescaled: each partial's sums "
+                "are relative to its own max; multiply a's by exp(a.m - m) and b's "
+                "by exp(b.m - m) before adding (m the new max)")
+    if not bool(torch.isfinite(got).all()):
+        return ("it overflowed to inf or nan: rescale each partial by exp(its max - "
+                "the larger max), a factor of at most 1 (exp(m_new - m_old) grows "
+                "without bound)")
+    return (f"m = max(a.m, b.m); {name} = a.{name} * exp(a.m - m) + b.{name} * "
+            "exp(b.m - m) (acc needs the factor per row: [..., None])")
+
+
+def check_online_softmax_merge(cluster, fn, *, timeout: float = SHORT_TIMEOUT
+                               ) -> bool:
+    """Check a student's online-softmax merge, `fn(a, b) -> Partial`.
+
+    a and b are Partials (acc, m, l) of the same query rows over two disjoint sets
+    of keys: m the row's max score, l = sum exp(score - m), acc = sum exp(score -
+    m) v. The result must be the Partial over both sets, with m the larger max.
+    On every rank it is tried on two pairs (scores alike; scores 30x apart, where
+    a merge that rescales upward overflows), then used by ring attention on the
+    ranks, causal, against one process's attention. A wrong tensor is reported by
+    rank and element, expected against got, with what the mistake looks like."""
+    res = run_answer(cluster, _merge_worker, fn, what="merge", timeout=timeout)
+    if res is None:
+        return False
+    from labkit.parallel.ring_attention import Partial
+
+    for rank, r in enumerate(res):
+        for got, want, spread in r["pairs"]:
+            case = "scores far apart" if spread else "scores alike"
+            if not isinstance(got, Partial):
+                raise ExerciseError(
+                    f"rank {rank} ({case}): your merge returned "
+                    f"{type(got).__name__}, not a Partial: return "
+                    "Partial(acc, m, l) (or a tuple of those three tensors)")
+            a, b, _ = _pair(*((rank, 0.0) if not spread else (10 + rank, 30.0)))
+            for name in ("m", "l", "acc"):
+                mine, ref = getattr(got, name), getattr(want, name)
+                where = f"rank {rank} ({case}), the merged {name}"
+                check_like(where, mine, ref, hint=f"{name} keeps the shape of a.{name}")
+                bad = _wrong(mine, ref, MERGE_TOL)
+                if bad is not None:
+                    i, x, y = bad
+                    raise ExerciseError(
+                        f"{where}, element {list(i)}: got {x:.6g}, expected {y:.6g}. "
+                        "Hint: " + _merge_hint(name, mine, a, b))
+        check_like(f"rank {rank}: ring attention's output", r["ring"], r["want"])
+        bad = _wrong(r["ring"], r["want"], MERGE_TOL)
+        if bad is not None:
+            i, x, y = bad
+            raise ExerciseError(
+                f"rank {rank}: ring attention with your merge, output element "
+                f"{list(i)}: got {x:.6g}, expected {y:.6g}. Your merge is right on "
+                "two partials but not in the ring, where it merges the running "
+                "result with each new block in turn: does it change its inputs in "
+                "place, or keep something between calls?")
+    t = cluster.world_size
+    print(f"correct: the merge rescales both partials to the larger max and adds "
+          f"them; with it, ring attention on {t} ranks gives one process's causal "
+          f"attention (within {MERGE_TOL:g})")
+    return True
+
+
+# -- exercise 2: a sequence-parallel MLP's forward ------------------------------------
+
+
+def _mlp_data():
+    import torch
+
+    torch.manual_seed(0)  # the same MLP and input in every process
+    fc1, fc2 = torch.nn.Linear(HIDDEN, FFN), torch.nn.Linear(FFN, HIDDEN)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=torch.Generator().manual_seed(1))
+    return fc1, fc2, x
+
+
+def _sp_mlp_worker(rank, world_size, fn):
+    import torch
+    import torch.nn.functional as F
+
+    from labkit.ledger import traffic
+
+    fc1, fc2, x = _mlp_data()
+    s, f = SEQ // world_size, FFN // world_size
+    mine, cols = slice(rank * s, (rank + 1) * s), slice(rank * f, (rank + 1) * f)
+    args = (x[mine].clone(), fc1.weight.detach()[cols].clone(),
+            fc1.bias.detach()[cols].clone(), fc2.weight.detach()[:, cols].clone(),
+            fc2.bias.detach().clone())
+    with torch.no_grad(), traffic() as led:
+        y = fn(*args, None)
+    with torch.no_grad():
+        want = fc2(F.gelu(fc1(x)))
+    return {"y": y, "want": want[mine], "whole": want, "bias": fc2.bias.detach(),
+            "ops": [r.op for r in led.records]}
+
+
+def check_sequence_parallel_mlp(cluster, fn, *, timeout: float = SHORT_TIMEOUT
+                                ) -> bool:
+    """Check a student's sequence-parallel MLP forward on Linear(6, 8), GeLU,
+    Linear(8, 6).
+
+    `fn(x, w1, b1, w2, b2, group)` gets this rank's sequence shard x (8/t, 2, 6),
+    its rows of the first layer (w1 (8/t, 6), b1 (8/t,)), its columns of the
+    second (w2 (6, 8/t)), the whole second bias b2 (6,) and the group (None: all
+    ranks). It must return this rank's shard (8/t, 2, 6) of fc2(gelu(fc1(x))):
+    all-gather the sequence, the local column- and row-parallel matmuls, a
+    reduce-scatter back to sequence shards, the bias once. No all-reduce."""
+    t = cluster.world_size
+    if SEQ % t or FFN % t:
+        raise ValueError(f"this check splits 8 positions and 8 features: it needs "
+                         f"1, 2, 4 or 8 ranks, not {t}")
+    res = run_answer(cluster, _sp_mlp_worker, fn, what="sequence-parallel MLP",
+                     timeout=timeout)
+    if res is None:
+        return False
+    for rank, r in enumerate(res):
+        y, want = r["y"], r["want"]
+        if hasattr(y, "shape") and tuple(y.shape) == tuple(r["whole"].shape) != \
+                tuple(want.shape):
+            raise ExerciseError(
+                f"rank {rank}: the output has shape {_fmt(y.shape)}, the whole "
+                f"sequence; expected this rank's shard {_fmt(want.shape)}: "
+                "reduce-scatter the partial sums along dim 0 instead of summing "
+                "them whole (rank r keeps rows [r*s/t, (r+1)*s/t))")
+        check_like(f"rank {rank}: the output", y, want,
+                   hint="x (s/t, b, 6) gathered is (s, b, 6); after both layers "
+                        "and the reduce-scatter, (s/t, b, 6)")
+        bad = _wrong(y, want, MLP_TOL)
+        if bad is not None:
+            i, a, b = bad
+            raise ExerciseError(f"rank {rank}, output element {list(i)}: got "
+                                f"{a:.6g}, expected {b:.6g}. Hint: "
+                                + _mlp_hint(y, want, r["bias"], t))
+        if "all_reduce" in r["ops"]:
+            raise ExerciseError(
+                f"rank {rank}: the values are right, but it all-reduced ({r['ops']}):"
+                " with sequence parallelism a reduce-scatter replaces the all-reduce "
+                "(and sends half its bytes), since each rank keeps only its rows")
+        if not ({"all_gather"} <= set(r["ops"])
+                and {"reduce_scatter", "all_to_all"} & set(r["ops"])):
+            raise ExerciseError(
+                f"rank {rank}: the values are right, but the collectives were "
+                f"{r['ops']}: expected one all-gather in and one reduce-scatter out")
+    print(f"correct: on {t} ranks, all-gather of the sequence, column- then "
+          "row-parallel matmuls, a reduce-scatter back to sequence shards and the "
+          "bias once give one process's MLP, row for row")
+    return True
+
+
+def _mlp_hint(y, want, bias, t) -> str:
+    import torch
+
+    if torch.allclose(y, want + (t - 1) * bias, rtol=1e-4, atol=1e-5):
+        return (f"the output is {t - 1} bias(es) too large: every rank added b2 "
+                "before the reduce-scatter, which summed it t times; add it once, "
+                "after")
+    if torch.allclose(y, want - bias, rtol=1e-4, atol=1e-5):
+        return "the output lacks b2: add it once, after the reduce-scatter"
+    return ("gather the shards in rank order (rank r's rows at [r*s/t, (r+1)*s/t)), "
+            "apply w1, b1, GeLU and w2 on the whole sequence, then reduce-scatter "
+            "along dim 0 so that rank r keeps rows [r*s/t, (r+1)*s/t) of the sum")

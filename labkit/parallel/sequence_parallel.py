@@ -1,0 +1,267 @@
+"""Sequence parallelism (序列并行), Megatron-LM's way (Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", sec. 4.2.2):
+tensor parallelism splits attention and the MLP over t ranks but leaves the
+LayerNorms, dropouts and residual adds replicated, each holding a whole [s, b, h]
+activation on every rank — the 10sbh that does not shrink with t. Sequence
+parallelism runs them on sequence shards [s/t, b, h] instead. Going into a
+column-parallel layer the shards are all-gathered along the sequence, and coming
+out of a row-parallel layer the partial sums are reduce-scattered to shards: an
+all-gather and a reduce-scatter replace each all-reduce of tensor parallelism, and
+send the same bytes (ring all-reduce is exactly a reduce-scatter then an
+all-gather).
+
+    ref = TransformerLayer(h, a)                        # one process, [s, b, h]
+    sp = ParallelTransformerLayer.from_layer(ref, group, sequence_parallel=True)
+    y = sp(x_shard)                                     # [s/t, b, h] -> [s/t, b, h]
+    y.backward(dy); sync_sequence_parallel_grads(sp, group)   # LayerNorm grads
+
+A LayerNorm (and a row-parallel bias) sees only this rank's s/t positions, so its
+gradient is a part sum: `sync_sequence_parallel_grads` all-reduces every parameter
+marked `sequence_parallel = True` over the group before the optimizer steps.
+
+Megatron's column-parallel layer keeps only the input *shard* for backward and
+all-gathers it again there (regather=True, the default here): 2sbh/t saved instead
+of the gathered 2sbh, for one more all-gather per column-parallel layer in
+backward. regather=False uses tensor_parallel.ColumnParallelLinear as it is,
+which keeps the gathered input (and sends exactly tensor parallelism's bytes).
+
+Activation memory (`TransformerLayer`, bf16): the attention is written out
+(scores, softmax, dropout with a 1-byte mask, as Korthikanti et al. count it),
+not fused, so what autograd saves is what their table 2 counts; recompute=
+"selective" checkpoints the attention core (q kᵀ, softmax, dropout, ·V), "full"
+the whole layer from its input. PyTorch's non-reentrant checkpoint re-runs only
+what backward needs: q kᵀ, softmax and dropout, not ·V (whose output backward
+never reads); with dropout on, the whole layer.
+
+Dropout draws from each rank's own generator. With tensor parallelism alone the
+dropouts after attention and the MLP act on replicated tensors, so the ranks must
+start from the same seed (they then draw alike); tests compare with one process
+with dropout off.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from labkit.ledger import memory
+from labkit.parallel.tensor_parallel import (
+    MLP,
+    ParallelMLP,
+    ParallelSelfAttention,
+    SelfAttention,
+)
+from labkit.parallel.tensor_parallel_mappings import (
+    _all_gather_first,
+    _reduce_scatter_first,
+)
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout that keeps a 1-byte (bool) mask for backward, as fused GPU kernels
+    do; F.dropout on CPU keeps a mask of x's dtype (2 bytes in bf16)."""
+    if not training or p == 0:
+        return x
+    return torch.native_dropout(x, p, True)[0]
+
+
+def core_attention(q, k, v, causal: bool, p: float = 0.0, training: bool = True):
+    """softmax(q kᵀ/√d [+ causal mask]) with dropout, times v, written out so that
+    autograd saves what Korthikanti et al. count: q and k (for q kᵀ), the softmax
+    output, the dropout mask and output, and v. (s, b, n, d) each -> (s, b, n*d)."""
+    s, b, n, d = q.shape
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # (b, n, s, d)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (1 / math.sqrt(d))
+    if causal:  # an addition saves nothing for backward (a masked_fill its mask)
+        bias = torch.full((s, s), float("-inf"), dtype=scores.dtype).triu(1)
+        scores = scores + bias
+    probs = dropout(torch.softmax(scores, dim=-1), p, training)  # (b, n, s, s)
+    out = torch.matmul(probs, v)  # (b, n, s, d)
+    return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+
+def _check_recompute(recompute: str) -> str:
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
+    return recompute
+
+
+class TransformerLayer(nn.Module):
+    """A pre-LayerNorm GPT layer in one process, [s, b, h] -> [s, b, h]:
+    x + drop(proj(attention(ln1(x)))), then + drop(fc2(gelu(fc1(ln2(x))))).
+    `attn` is tensor_parallel.SelfAttention and `mlp` its MLP (for their weights;
+    the attention core is `core_attention`)."""
+
+    def __init__(self, hidden: int, heads: int, ffn_hidden: int | None = None,
+                 dropout: float = 0.0, causal: bool = True, recompute: str = "none"):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.attn = SelfAttention(hidden, heads, causal)
+        self.mlp = MLP(hidden, ffn_hidden or 4 * hidden)
+        self.p, self.causal = dropout, causal
+        self.recompute = _check_recompute(recompute)
+
+    def _column(self, linear: nn.Module, x):
+        return linear(x)
+
+    def _qkv(self, x):  # (s, b, h) -> three (s, b, heads, d)
+        a, (s, b) = self.attn, x.shape[:2]
+        return [m(x).view(s, b, -1, a.head_dim) for m in (a.q, a.k, a.v)]
+
+    def _attention(self, x):
+        q, k, v = self._qkv(x)
+        args = (q, k, v, self.causal, self.p, self.training)
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            o = checkpoint(core_attention, *args, use_reentrant=False)
+        else:
+            o = core_attention(*args)
+        return self.attn.proj(o)
+
+    def _mlp(self, x):
+        return self.mlp.fc2(F.gelu(self._column(self.mlp.fc1, x)))
+
+    def _layer(self, x):
+        x = x + dropout(self._attention(self.ln1(x)), self.p, self.training)
+        return x + dropout(self._mlp(self.ln2(x)), self.p, self.training)
+
+    def forward(self, x):
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._layer, x, use_reentrant=False)
+        return self._layer(x)
+
+
+class _GatherLinear(torch.autograd.Function):
+    """y = all_gather_seq(x) Wᵀ + b, saving only the shard x: backward all-gathers
+    it again (Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(_all_gather_first(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        total = _all_gather_first(x, ctx.group)  # (s, b, in), again
+        dx = _reduce_scatter_first(dy.matmul(weight), ctx.group)  # (s/t, b, in)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dw = dy2.t().matmul(total.reshape(-1, total.shape[-1]))
+        db = dy2.sum(0) if ctx.has_bias else None
+        return dx, dw, db, None
+
+
+class ParallelTransformerLayer(TransformerLayer):
+    """`TransformerLayer` over the ranks of `group`: heads and the MLP's hidden
+    features split by tensor parallelism (tensor_parallel's ParallelSelfAttention
+    and ParallelMLP), and with sequence_parallel=True the LayerNorms, dropouts and
+    residual adds on sequence shards: [s/t, b, h] -> [s/t, b, h]. Without it,
+    [s, b, h] -> [s, b, h], replicated on every rank."""
+
+    def __init__(self, hidden: int, heads: int, group=None,
+                 ffn_hidden: int | None = None, dropout: float = 0.0,
+                 causal: bool = True, sequence_parallel: bool = False,
+                 recompute: str = "none", regather: bool = True):
+        nn.Module.__init__(self)
+        self.group = dist.group.WORLD if group is None else group
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        for p in [*self.ln1.parameters(), *self.ln2.parameters()]:
+            p.sequence_parallel = sequence_parallel  # grads: part sums under SP
+        self.attn = ParallelSelfAttention(hidden, heads, self.group,
+                                          sequence_parallel, causal)
+        self.mlp = ParallelMLP(hidden, ffn_hidden or 4 * hidden, self.group,
+                               sequence_parallel)
+        self.p, self.causal = dropout, causal
+        self.sequence_parallel, self.regather = sequence_parallel, regather
+        self.recompute = _check_recompute(recompute)
+
+    @classmethod
+    def from_layer(cls, layer: TransformerLayer, group=None, *,
+                   sequence_parallel: bool = False, recompute: str | None = None,
+                   regather: bool = True) -> ParallelTransformerLayer:
+        """This rank's part of a single-process `layer` (copied): its heads, its
+        slice of the MLP, the whole LayerNorms."""
+        h, a = layer.attn.q.in_features, layer.attn.heads
+        out = cls(h, a, group, layer.mlp.fc1.out_features, layer.p, layer.causal,
+                  sequence_parallel, recompute or layer.recompute, regather)
+        out.attn = ParallelSelfAttention.from_attention(layer.attn, out.group,
+                                                        sequence_parallel)
+        out.mlp = ParallelMLP.from_mlp(layer.mlp, out.group, sequence_parallel)
+        with torch.no_grad():
+            for mine, theirs in ((out.ln1, layer.ln1), (out.ln2, layer.ln2)):
+                mine.weight.copy_(theirs.weight)
+                mine.bias.copy_(theirs.bias)
+        return out.to(next(layer.parameters()).dtype)
+
+    def _column(self, linear: nn.Module, x):
+        if self.sequence_parallel and self.regather:  # keep the shard, not (s, b, h)
+            return _GatherLinear.apply(x, linear.weight, linear.bias, self.group)
+        return linear(x)
+
+    def _qkv(self, x):  # (s/t or s, b, h) -> three (s, b, heads/t, d)
+        qkv = self._column(self.attn.qkv, x)
+        s, b = qkv.shape[:2]
+        return [t.view(s, b, -1, self.attn.head_dim) for t in qkv.chunk(3, dim=-1)]
+
+
+def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters that see only a sequence shard: marked `sequence_parallel`."""
+    return [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+
+
+@torch.no_grad()
+def sync_sequence_parallel_grads(module: nn.Module, group=None) -> int:
+    """Sum the gradients of the sequence-parallel parameters (LayerNorms, row-
+    parallel biases) over `group`, in one all-reduce; returns the elements summed.
+    Call it after backward, before the optimizer steps (Megatron-LM does this in
+    finalize_model_grads)."""
+    grads = [p.grad for p in sequence_parallel_parameters(module)
+             if p.grad is not None]
+    if not grads or dist.get_world_size(group) == 1:
+        return 0
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+    return flat.numel()
+
+
+
+def forward_activations(layer: nn.Module, make_input) -> int:
+    """Bytes one forward of `layer` leaves for its backward, by the memory ledger:
+    its Activation after forward, counting the input (`make_input()` is called
+    inside: the previous layer's output, which the first LayerNorm keeps) and not
+    the output (the next layer's input). Runs the backward, to free them.
+
+    gloo's worker thread lets go of a collective's buffers a moment after the call
+    returns (measured: 2 x [s, b, h] still held right after about one forward in
+    seven, gone 20 ms later), so the count is read once it has stayed the same
+    for 100 ms."""
+    with memory(layer) as m:
+        x = make_input()
+        out = layer(x)
+        held = _settled(m) - out.untyped_storage().nbytes()
+        out.backward(torch.ones_like(out))
+    return held
+
+
+def _settled(m, quiet: float = 0.1, limit: float = 5.0) -> int:
+    """The ledger's Activation once unchanged for `quiet` seconds (at most
+    `limit` seconds of waiting)."""
+    gc.collect()
+    last, since, start = m.current["Activation"], time.monotonic(), time.monotonic()
+    while time.monotonic() - since < quiet and time.monotonic() - start < limit:
+        time.sleep(0.01)
+        now = m.current["Activation"]
+        if now != last:
+            last, since = now, time.monotonic()
+    return last

@@ -1,0 +1,105 @@
+"""labkit.checks.sequence_parallel: each check passes a right answer, says "not
+written yet" for a stub, and names the rank, tensor and element of wrong ones,
+with what the mistake looks like."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from labkit.checks.common import ExerciseError
+from labkit.checks.sequence_parallel import (
+    check_online_softmax_merge,
+    check_sequence_parallel_mlp,
+)
+from labkit.parallel.ring_attention import Partial
+
+
+def _merge(a, b):
+    m = torch.maximum(a.m, b.m)
+    wa, wb = torch.exp(a.m - m), torch.exp(b.m - m)
+    return Partial(a.acc * wa[..., None] + b.acc * wb[..., None], m,
+                   a.l * wa + b.l * wb)
+
+
+def _no_rescale(a, b):
+    return Partial(a.acc + b.acc, torch.maximum(a.m, b.m), a.l + b.l)
+
+
+def _upward(a, b):  # rescales to the smaller max: exact on paper, overflows
+    m = torch.minimum(a.m, b.m)
+    wa, wb = torch.exp(a.m - m), torch.exp(b.m - m)
+    return Partial(a.acc * wa[..., None] + b.acc * wb[..., None], m,
+                   a.l * wa + b.l * wb)
+
+
+def _as_list(a, b):
+    return list(_merge(a, b))
+
+
+def _todo(*args):
+    raise NotImplementedError("exercise: merge two partials")
+
+
+def test_merge_check(cluster, capsys):
+    assert check_online_softmax_merge(cluster, _todo) is False
+    assert "not written yet" in capsys.readouterr().out
+    assert check_online_softmax_merge(cluster, _merge) is True
+    assert "correct" in capsys.readouterr().out
+    assert check_online_softmax_merge(cluster, _as_list) is True  # a tuple will do
+    with pytest.raises(ExerciseError, match=r"rank 0 \(scores alike\), the merged l, "
+                       r"element \[.*\]: got .* expected .* not rescaled"):
+        check_online_softmax_merge(cluster, _no_rescale)
+    with pytest.raises(ExerciseError, match=r"rank 0 \(scores alike\), the merged m.*"
+                       r"running max"):
+        check_online_softmax_merge(cluster, _upward)
+    with pytest.raises(ExerciseError, match=r"returned int, not a Partial"):
+        check_online_softmax_merge(cluster, lambda a, b: 3)
+    with pytest.raises(ExerciseError, match=r"raised ZeroDivisionError"):
+        check_online_softmax_merge(cluster, lambda a, b: 1 / 0)
+
+
+def _gather(x, group):
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _sp_mlp(x, w1, b1, w2, b2, group, *, bias_early=False, whole=False,
+            all_reduce=False):
+    partial = F.linear(F.gelu(F.linear(_gather(x, group), w1, b1)), w2)
+    if bias_early:
+        partial = partial + b2
+    t = dist.get_world_size(group)
+    if whole or all_reduce:
+        dist.all_reduce(partial, group=group)
+        y = partial if whole else partial.chunk(t)[dist.get_rank(group)]
+    else:
+        y = torch.empty_like(partial.chunk(t)[0])
+        dist.reduce_scatter(y, list(partial.chunk(t)), group=group)
+    return y if bias_early else y + b2
+
+
+def _stuck(x, w1, b1, w2, b2, group):
+    if dist.get_rank() == 0:  # rank 0 skips the all-gather: the others wait for it
+        return x
+    return _sp_mlp(x, w1, b1, w2, b2, group)
+
+
+def test_sequence_parallel_mlp_check(cluster, capsys):
+    assert check_sequence_parallel_mlp(cluster, _todo) is False
+    assert "not written yet" in capsys.readouterr().out
+    assert check_sequence_parallel_mlp(cluster, _sp_mlp) is True
+    assert "correct" in capsys.readouterr().out
+    with pytest.raises(ExerciseError, match=r"rank 0, output element \[0, 0, 0\]: "
+                       r"got .*, expected .*3 bias\(es\) too large"):
+        check_sequence_parallel_mlp(
+            cluster, lambda *a: _sp_mlp(*a, bias_early=True))
+    with pytest.raises(ExerciseError, match=r"rank 0: the output has shape "
+                       r"\(8, 2, 6\), the whole sequence; expected .* \(2, 2, 6\)"):
+        check_sequence_parallel_mlp(cluster, lambda *a: _sp_mlp(*a, whole=True))
+    with pytest.raises(ExerciseError, match=r"rank 0: the values are right, but it "
+                       r"all-reduced"):
+        check_sequence_parallel_mlp(cluster, lambda *a: _sp_mlp(*a, all_reduce=True))
+    with pytest.raises(ExerciseError, match=r"deadlock|did not finish|waiting"):
+        check_sequence_parallel_mlp(cluster, _stuck, timeout=3)
