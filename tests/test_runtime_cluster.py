@@ -418,3 +418,31 @@ def test_an_optimizer_class_made_here_uses_the_ranks_hooks(cluster):
         return len(seen)
 
     assert cluster.run(step_fires_hooks).values == [1] * cluster.world_size
+
+
+def test_the_status_thread_lets_go_of_the_frame_it_read():
+    # a status request read the stack while `step` held a tensor; once `step`
+    # returns, nothing of the status thread may keep that tensor alive
+    import weakref
+
+    from labkit.runtime import rank, wire
+    from labkit.runtime.messages import Status, StatusRequest
+
+    ours, theirs = socket.socketpair()
+    server = threading.Thread(target=rank._serve_status,
+                              args=(theirs, threading.get_ident()), daemon=True)
+    server.start()
+    refs = []
+
+    def step():
+        big = torch.ones(1000)
+        refs.append(weakref.ref(big))
+        wire.send(ours, StatusRequest())
+        assert isinstance(wire.recv(ours), Status)  # read while `big` is alive
+
+    step()
+    try:
+        assert refs[0]() is None
+    finally:
+        ours.close()
+        server.join(timeout=5)

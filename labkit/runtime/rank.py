@@ -175,6 +175,10 @@ def _serve_status(sock: socket.socket, main_ident: int) -> None:
         call = STATE["call"]
         seconds = time.monotonic() - STATE["started"] if call is not None else 0.0
         wire.send(sock, Status(call, activity, stack, seconds))
+        # let go of the frame before waiting for the next request: held, it keeps
+        # the polled function's locals alive after it returns (the memory ledger
+        # would count a finished step's temporaries)
+        del frame
 
 
 _PAYLOAD_NAMES = ("tensor", "tensor_list", "output_tensor", "output_tensor_list",
