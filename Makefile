@@ -1,6 +1,7 @@
 # Parallelism Lab. Two commands on a fresh machine:
 #   make lab    create .venv, install, open the course in JupyterLab
 #   make test   install if needed, run the library tests and every chapter under nbval
+#               (and the chapters in a real browser where Chromium is installed)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -9,8 +10,12 @@ STAMP  := $(VENV)/.labkit-installed
 TORCH  := torch==2.13.0
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 CELL_TIMEOUT ?= 120
+# the system's Chromium drives the browser test (Debian/Ubuntu: apt-get install
+# chromium fonts-wqy-microhei); never a browser downloaded by `playwright install`
+CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: FORCE install lab book slides test lint test-lib test-notebooks bench doctor images clean-notebooks clean
+.PHONY: FORCE install lab book slides student test lint test-lib test-notebooks \
+	browser-test bench doctor images clean-notebooks clean
 
 install: $(STAMP)
 
@@ -53,17 +58,28 @@ _build/slides/%.slides.html: notebooks/%.ipynb FORCE
 
 FORCE:
 
-test: lint test-lib test-notebooks
+# the student edition: solutions out, outputs cleared, images beside the chapters
+student: install
+	$(BIN)/python -m labkit student --out dist/student
+
+test: lint test-lib test-notebooks $(if $(wildcard $(CHROMIUM)),browser-test)
 
 lint: install
 	$(BIN)/ruff check labkit tests
 
+# the browser test runs as its own step (below), after the chapters pass under nbval
 test-lib: install
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q --ignore=tests/browser
 
 test-notebooks: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=$(CELL_TIMEOUT) notebooks/
+
+# widget chapters in JupyterLab in headless Chromium; screenshots in _build/browser/
+browser-test: install
+	@test -x "$(CHROMIUM)" || { echo "make browser-test needs Chromium at $(CHROMIUM)" \
+		"(Debian/Ubuntu: apt-get install chromium fonts-wqy-microhei)"; exit 1; }
+	LABKIT_CHROMIUM="$(CHROMIUM)" $(BIN)/python -m pytest tests/browser -q
 
 doctor: install
 	$(BIN)/python -m labkit doctor
@@ -80,4 +96,4 @@ clean-notebooks: install
 	$(BIN)/python -m labkit clean-notebooks notebooks/*.ipynb
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

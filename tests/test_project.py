@@ -109,3 +109,24 @@ def test_the_wheel_holds_every_module(tmp_path):
                if "__pycache__" not in p.parts}
     assert len(modules) > 20
     assert sorted(modules - packed) == []
+
+
+def test_make_student_and_browser_test_are_wired():
+    make = (ROOT / "Makefile").read_text()
+    for target in ("student", "browser-test"):
+        assert re.search(rf"^{target}: install$", make, re.M), target
+    # `make test` runs the browser test exactly where Chromium is, and only once
+    (deps,) = re.findall(r"^test: (.*)$", make, re.M)
+    assert "$(if $(wildcard $(CHROMIUM)),browser-test)" in deps
+    assert "pytest tests -q --ignore=tests/browser" in make
+    assert "dist/" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_ci_installs_debians_chromium_and_a_cjk_font_never_a_downloaded_one():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"apt-get install .*\\\n\s+chromium fonts-wqy-microhei", ci)
+    assert ci.index("apt-get install") < ci.index("\nmake test")
+    for name in ("Makefile", ".ci/run"):
+        code = [ln.split("#")[0] for ln in (ROOT / name).read_text().splitlines()]
+        assert not any("playwright install" in ln for ln in code), name
+    assert "fonts-wqy-microhei" in (ROOT / "README.md").read_text()

@@ -1,5 +1,6 @@
 """`python -m labkit ...`: doctor | bench cluster|ring|strategies |
-launch FILE.py:FN | images | clean-notebooks FILES... (one module per command)."""
+launch FILE.py:FN | images | clean-notebooks FILES... | student [--run]
+(one module per command)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("clean-notebooks",
                        help="strip outputs and execution counts; mark slides")
     c.add_argument("paths", nargs="+")
+    st = sub.add_parser("student", help="the student edition: solutions out, outputs "
+                        "cleared, into dist/student/")
+    st.add_argument("--out", default=None, help="folder (default: dist/student)")
+    st.add_argument("--run", action="store_true",
+                    help="then run each notebook up to its first exercise")
     args = p.parse_args(argv)
 
     if args.cmd == "doctor":
@@ -62,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             changed = clean(path) | mark_slides(path)
             print(("cleaned   " if changed else "clean     ") + path)
         return 0
+    if args.cmd == "student":
+        from labkit.cli.student import student
+
+        return student(args.out, run=args.run)
     return 2
 
 

@@ -1,0 +1,201 @@
+"""`make student`: the student edition, solutions out.
+
+Each notebooks/NN_x.ipynb becomes dist/student/NN_x.ipynb: every cell tagged
+`solution` is dropped (the `exercise` stub before it stays), outputs, execution
+counts and saved widget state are cleared. images/ is copied into the edition and
+markdown links to `../images/` point there, so the folder can be handed out alone.
+
+The build refuses a notebook whose exercises break their layout: a cell tagged
+`exercise` (by convention a stub raising NotImplementedError("exercise: ...")),
+the solution in the next cell tagged `solution`, defining every function, class
+and variable the stub defines, then an untagged cell calling a `check_...`
+function of labkit.checks. So running the whole chapter (nbval) checks every
+solution, and the student edition keeps every stub and every check.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import json
+import re
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXERCISE, SOLUTION, RAISES = "exercise", "solution", "raises-exception"
+_IMAGE_LINK = re.compile(r"""(\]\(\s*<?|src\s*=\s*["'])\.\./images/""")
+_CHECK_CALL = re.compile(r"\bcheck_\w*\s*\(")
+
+
+def tags(cell: dict) -> list[str]:
+    return list(cell.get("metadata", {}).get("tags", []))
+
+
+def source(cell: dict) -> str:
+    s = cell.get("source", "")
+    return s if isinstance(s, str) else "".join(s)
+
+
+def first_exercise(nb: dict) -> int | None:
+    """Index of the first cell tagged `exercise`, None when there is none."""
+    return next((i for i, c in enumerate(nb["cells"]) if EXERCISE in tags(c)), None)
+
+
+def _defined_names(code: str) -> set[str] | None:
+    """Top-level names a cell defines (def, class, assignment; imports are left
+    out, the stub's have run before the solution); None when it is not Python we
+    can read (a cell magic such as %%ranks runs its body elsewhere)."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    if code.lstrip().startswith("%%"):
+        return None
+    try:
+        tree = ast.parse(TransformerManager().transform_cell(code))
+    except SyntaxError:
+        return None
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+def layout_problems(nb: dict, name: str = "notebook") -> list[str]:
+    """Every place where `nb` breaks the exercise layout, one line each."""
+    cells, out = nb["cells"], []
+    for i, c in enumerate(cells):
+        t = tags(c)
+        if EXERCISE in t and SOLUTION in t:
+            out.append(f"{name} cell {i}: tagged both `exercise` and `solution`")
+        elif EXERCISE in t:
+            nxt = cells[i + 1] if i + 1 < len(cells) else None
+            if nxt is None or SOLUTION not in tags(nxt):
+                out.append(f"{name} cell {i}: an `exercise` whose next cell is not "
+                           "its `solution`")
+        elif SOLUTION in t:
+            prev = cells[i - 1] if i else None
+            if prev is None or EXERCISE not in tags(prev):
+                out.append(f"{name} cell {i}: a `solution` that does not follow an "
+                           "`exercise` cell")
+                continue
+            if c["cell_type"] != "code":
+                continue
+            stub, answer = _defined_names(source(prev)), _defined_names(source(c))
+            if stub is not None and answer is not None and stub - answer:
+                out.append(f"{name} cell {i}: the solution does not define "
+                           f"{sorted(stub - answer)}, which the exercise stub does, "
+                           "so the check would see the stub")
+            nxt = cells[i + 1] if i + 1 < len(cells) else None
+            if (nxt is None or nxt["cell_type"] != "code" or tags(nxt)
+                    or not _CHECK_CALL.search(source(nxt))):
+                out.append(f"{name} cell {i}: a code `solution` not followed by an "
+                           "untagged check cell (a call to labkit.checks' check_...)")
+    return out
+
+
+def _cleared(cell: dict) -> dict:
+    cell = copy.deepcopy(cell)
+    cell.get("metadata", {}).pop("execution", None)
+    if cell["cell_type"] == "code":
+        cell["outputs"], cell["execution_count"] = [], None
+    elif cell["cell_type"] == "markdown":
+        text = _IMAGE_LINK.sub(r"\1images/", source(cell))
+        keep_lines = isinstance(cell.get("source"), list)
+        cell["source"] = text.splitlines(keepends=True) if keep_lines else text
+    return cell
+
+
+def student_notebook(nb: dict) -> dict:
+    """The student's copy of `nb`: no `solution` cells, no outputs or counts, no
+    saved widget state, image links into the edition's own images/."""
+    out = copy.deepcopy({k: v for k, v in nb.items() if k != "cells"})
+    out.get("metadata", {}).pop("widgets", None)
+    out["cells"] = [_cleared(c) for c in nb["cells"] if SOLUTION not in tags(c)]
+    return out
+
+
+def build(notebooks: Path = ROOT / "notebooks", out: Path = ROOT / "dist" / "student",
+          images: Path = ROOT / "images") -> list[Path]:
+    """Write the student edition of every notebooks/*.ipynb into `out` (and its
+    images into out/images); return the notebooks written. ValueError, naming
+    each cell, when a notebook breaks the exercise layout (nothing is written)."""
+    sources = sorted(Path(notebooks).glob("*.ipynb"))
+    books = {p: json.loads(p.read_text(encoding="utf-8")) for p in sources}
+    problems = [line for p, nb in books.items() for line in layout_problems(nb, p.name)]
+    if problems:
+        raise ValueError("the exercise layout is broken:\n  " + "\n  ".join(problems))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in set(out.glob("*.ipynb")) - {out / p.name for p in sources}:
+        stale.unlink()  # a chapter renamed or removed since the last build
+    if Path(images).is_dir():
+        shutil.copytree(images, out / "images", dirs_exist_ok=True)
+    written = []
+    for p, nb in books.items():
+        dest = out / p.name
+        text = json.dumps(student_notebook(nb), indent=1, ensure_ascii=False) + "\n"
+        dest.write_text(text, encoding="utf-8")
+        written.append(dest)
+    return written
+
+
+class PrefixError(AssertionError):
+    """A student notebook failed before its first exercise."""
+
+
+def run_prefix(path: str | Path, timeout: int = 120) -> int:
+    """Execute `path` (in its own folder) up to, not including, its first
+    `exercise` cell, as a student's Run All would before reaching it; cells tagged
+    `raises-exception` may raise. Returns how many code cells ran; PrefixError
+    with the cell and the error otherwise."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    stop = first_exercise(nb)
+    nb.cells = nb.cells[:stop]
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    try:
+        client.execute()
+    except CellTimeoutError as e:
+        raise PrefixError(f"{path.name}: a cell ran past {timeout} s: {e}") from None
+    except CellExecutionError as e:
+        failed = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+                       and any(o.get("output_type") == "error" for o in c.outputs)
+                       and RAISES not in tags(c)), "?")
+        raise PrefixError(f"{path.name} cell {failed}: {e.ename}: {e.evalue}") from None
+    return sum(c.cell_type == "code" for c in nb.cells)
+
+
+def student(out: str | Path | None = None, run: bool = False) -> int:
+    """The `student` command: build the edition, say what it holds, and with
+    `run` execute each notebook up to its first exercise. Exit status 1 on a
+    broken layout or a failing prefix."""
+    out = Path(out) if out else ROOT / "dist" / "student"
+    try:
+        written = build(out=out)
+    except ValueError as e:
+        print(f"labkit student: {e}")
+        return 1
+    status = 0
+    for path in written:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+        n = sum(EXERCISE in tags(c) for c in nb["cells"])
+        print(f"wrote {path} ({n} exercise{'s' * (n != 1)})")
+        if run:
+            try:
+                ran = run_prefix(path)
+            except PrefixError as e:
+                print(f"  FAILED before its first exercise: {e}")
+                status = 1
+            else:
+                print(f"  ran {ran} code cells up to its first exercise: no error")
+    return status

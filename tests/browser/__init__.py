@@ -1,0 +1,1 @@
+"""Tests that drive JupyterLab in a real browser (see conftest.py)."""

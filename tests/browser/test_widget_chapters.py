@@ -1,0 +1,139 @@
+"""Every chapter with widgets, run in JupyterLab in Chromium as a student would.
+
+Run ▸ Run All Cells from the menu, wait for the kernel's Idle, then: no cell shows
+an error unless tagged `raises-exception`; every markdown image loads; every
+slider and dropdown, moved (a step or an option at a time), changes its widget's
+text or chart, and moved back gives the same text and chart again (the view
+follows the controls, it does not lag). Screenshots go to _build/browser/.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from labkit.cli.student import source
+from tests.browser.lab_page import (
+    exercise_widget,
+    markdown_images,
+    new_page,
+    open_and_run,
+    widget_roots,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def widget_factories() -> set[str]:
+    """labkit.viz's names that make a widget: its ipywidgets classes and the
+    functions that return one."""
+    import typing
+
+    import ipywidgets
+
+    from labkit import viz
+
+    names = set()
+    for name in dir(viz):
+        obj = getattr(viz, name)
+        if isinstance(obj, type) and issubclass(obj, ipywidgets.Widget):
+            names.add(name)
+        elif callable(obj):
+            try:
+                ret = typing.get_type_hints(obj).get("return")
+            except Exception:
+                continue
+            if isinstance(ret, type) and issubclass(ret, ipywidgets.Widget):
+                names.add(name)
+    return names
+
+
+def uses_widgets(nb: dict, factories: set[str]) -> bool:
+    calls = r"\b(?:" + "|".join(sorted(factories)) + r")\s*\(" if factories else "$^"
+    pattern = re.compile(rf"\bipywidgets\b|\binteract(?:ive)?\s*\(|{calls}")
+    return any(c["cell_type"] == "code" and pattern.search(source(c))
+               for c in nb["cells"])
+
+
+def widget_chapters() -> list[Path]:
+    factories = widget_factories()
+    return [p for p in sorted((ROOT / "notebooks").glob("*.ipynb"))
+            if uses_widgets(json.loads(p.read_text(encoding="utf-8")), factories)]
+
+
+CHAPTERS = widget_chapters()
+
+
+def test_the_widget_chapters_are_found():
+    found = {p.name[:2] for p in CHAPTERS}
+    assert {"02", "04"} <= found, found  # the ring stepper, the ZeRO explorer
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
+def test_chapter_runs_and_its_widgets_respond(chapter, lab, browser, shots):
+    nb = json.loads(chapter.read_text(encoding="utf-8"))
+    page = new_page(browser)
+    page_errors: list[str] = []
+    page.on("pageerror", lambda e: page_errors.append(str(e)))
+    try:
+        errors = open_and_run(page, lab, f"notebooks/{chapter.name}", nb)
+        page.screenshot(path=str(shots / f"{chapter.stem}.png"))
+        assert errors == [], "cells show errors:\n" + "\n".join(errors)
+        linked = sum(len(re.findall(r"!\[[^\]]*\]\(|<img\b", source(c)))
+                     for c in nb["cells"] if c["cell_type"] == "markdown")
+        assert len(markdown_images(page)) == linked
+        checked = []
+        for k, root in enumerate(widget_roots(page)):
+            checked += exercise_widget(root, chapter.stem, k, shots)
+        assert checked, f"{chapter.name} calls a widget but shows no slider or dropdown"
+        print(f"{chapter.name}: {len(checked)} controls respond: {', '.join(checked)}")
+    finally:
+        if page_errors:
+            (shots / f"{chapter.stem}.page-errors.txt").write_text(
+                "\n".join(page_errors))
+        page.close()
+        lab.shut_down_kernels()
+
+
+SELFTEST = [
+    ("markdown", "![ring](../images/ring_allreduce_4.svg) ![gone](nope.png)", []),
+    ("code", "1 / 0", ["raises-exception"]),
+    ("code", "import ipywidgets as W\n"
+             "live, dead = W.IntSlider(1, description='live'), "
+             "W.IntSlider(1, description='dead')\n"
+             "text = W.HTML('live 1')\n"
+             "live.observe(lambda c: setattr(text, 'value', f'live {c.new}'),\n"
+             "             'value')\n"
+             "W.VBox([live, dead, text])", []),
+    ("code", "undefined_name", []),
+]
+
+
+def test_it_sees_errors_broken_images_and_dead_controls(lab, browser, shots):
+    """The checks above can fail: a notebook with each fault, served beside the
+    chapters."""
+    nb = {"cells": [{"id": f"c{i}", "cell_type": kind, "source": text,
+                     "metadata": {"tags": t},
+                     **({"outputs": [], "execution_count": None} if kind == "code"
+                        else {})} for i, (kind, text, t) in enumerate(SELFTEST)],
+          "metadata": {"kernelspec": {"name": "python3", "language": "python",
+                                      "display_name": "Python 3 (ipykernel)"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    (lab.root / "selftest").mkdir(exist_ok=True)
+    (lab.root / "selftest" / "faults.ipynb").write_text(json.dumps(nb))
+    page = new_page(browser)
+    try:
+        errors = open_and_run(page, lab, "selftest/faults.ipynb", nb)
+        assert [e.split(":")[0] for e in errors] == ["cell 3"]  # cell 1 is tagged
+        assert "NameError" in errors[0]
+        with pytest.raises(AssertionError, match="image did not load: .*nope.png"):
+            markdown_images(page)
+        (root,) = widget_roots(page)
+        with pytest.raises(AssertionError, match="waiting for 'dead' .slider."):
+            exercise_widget(root, "selftest", 0, shots, seconds=5)
+    finally:
+        page.close()
+        lab.shut_down_kernels()
