@@ -3,18 +3,44 @@
 A check runs the student's function on real ranks, compares it with a reference,
 and either prints a short success line or raises `ExerciseError` naming the rank,
 the tensor (or chunk) and the element that is wrong. A function that still raises
-NotImplementedError is "not written yet": the check says so and returns False
-without failing the notebook. May import every layer below; one module per
-chapter that has checks.
+NotImplementedError is "not written yet": the check says so and returns without
+failing the notebook; an exception, a deadlock (found after common.SHORT_TIMEOUT s)
+or a result of the wrong type, shape or dtype is one ExerciseError naming the rank
+and the student's line. May import every layer below; one module per chapter
+that has checks.
 """
 
+from labkit.checks.collectives import (
+    check_all_to_all,
+    check_bytes_per_rank,
+    check_cheap_reduce_scatter,
+)
 from labkit.checks.common import ExerciseError, check_answer
 from labkit.checks.data_parallel import check_bucket_flush, check_uneven_shards
-from labkit.checks.fsdp import check_zero3_hooks
+from labkit.checks.fsdp import check_peak_share, check_zero3_hooks
+from labkit.checks.memory import check_optimizer_bytes, check_smallest_n
+from labkit.checks.networks import check_moe_combine, check_two_rings
 from labkit.checks.placement import check_placement
-from labkit.checks.ring import check_ring_reduce_scatter
+from labkit.checks.ring import (
+    check_ring_all_gather,
+    check_ring_reduce_scatter,
+    check_ring_time,
+)
+from labkit.checks.sequence_parallel import (
+    check_online_softmax_merge,
+    check_sequence_parallel_mlp,
+)
+from labkit.checks.tensor_parallel import (
+    check_conjugate_operators,
+    check_row_parallel_forward,
+)
 from labkit.checks.zero import SliceSGD, check_zero1_step
 
 __all__ = ["ExerciseError", "SliceSGD", "check_answer", "check_bucket_flush",
            "check_placement", "check_ring_reduce_scatter", "check_uneven_shards",
            "check_zero1_step", "check_zero3_hooks"]
+__all__ += ["check_all_to_all", "check_bytes_per_rank", "check_cheap_reduce_scatter",
+            "check_conjugate_operators", "check_moe_combine",
+            "check_online_softmax_merge", "check_optimizer_bytes", "check_peak_share",
+            "check_ring_all_gather", "check_ring_time", "check_row_parallel_forward",
+            "check_sequence_parallel_mlp", "check_smallest_n", "check_two_rings"]

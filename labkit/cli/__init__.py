@@ -1,2 +1,2 @@
 """Layer 6, the command line: `python -m labkit doctor | bench | images |
-clean-notebooks | launch`. May import every layer; nothing imports it."""
+clean-notebooks | launch | student`. May import every layer; nothing imports it."""

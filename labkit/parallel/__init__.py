@@ -8,7 +8,11 @@ master weights), zero (ZeRO-1/2: optimizer state and gradients sharded), fsdp (Z
 parameters sharded too, gathered per module; fsdp_hooks its autograd side),
 guards (the device and optimizer-step checks every wrapper makes),
 checkpointing (recompute activations in backward), offload (optimizer state and
-its step in host memory, ZeRO-Offload).
+its step in host memory, ZeRO-Offload), groups (the tp/cp/pp/dp rank grid),
+tensor_parallel (Megatron's column- and row-parallel layers; tensor_parallel_mappings
+their f, g and sequence all-gather/reduce-scatter as autograd functions),
+sequence_parallel (LayerNorm and dropout on sequence shards), ring_attention
+(context parallelism).
 """
 
 from labkit.parallel.checkpointing import (
@@ -22,11 +26,23 @@ from labkit.parallel.checkpointing import (
 from labkit.parallel.data_parallel import DataParallel
 from labkit.parallel.events import Span, overlap_fraction
 from labkit.parallel.fsdp import FullyShardedDataParallel
+from labkit.parallel.groups import ParallelGroups, grid
 from labkit.parallel.offload import OffloadedOptimizer, Transfer
 from labkit.parallel.precision import MasterWeights
+from labkit.parallel.ring_attention import ring_attention
+from labkit.parallel.sequence_parallel import ParallelTransformerLayer, TransformerLayer
+from labkit.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelMLP,
+    ParallelSelfAttention,
+    RowParallelLinear,
+)
 from labkit.parallel.zero import ShardedOptimizer
 
 __all__ = ["Checkpointed", "DataParallel", "Flops", "FullyShardedDataParallel",
            "MasterWeights",
            "OffloadedOptimizer", "ShardedOptimizer", "Span", "StepTime", "Transfer",
            "checkpoint", "count_flops", "overlap_fraction", "time_step"]
+__all__ += ["ColumnParallelLinear", "ParallelGroups", "ParallelMLP",
+            "ParallelSelfAttention", "ParallelTransformerLayer", "RowParallelLinear",
+            "TransformerLayer", "grid", "ring_attention"]

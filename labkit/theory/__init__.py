@@ -6,7 +6,7 @@ has GB = 1e9 and GiB = 2**30). Every formula names its source, and
 tests/test_theory_*.py hold each to a published number.
 """
 
-from labkit.theory.activations import activation_memory
+from labkit.theory.activations import activation_memory, activation_terms
 from labkit.theory.collective_cost import (
     COLLECTIVES,
     AlphaBeta,
@@ -25,6 +25,12 @@ from labkit.theory.placement import (
     PlacementCost,
     Verdict,
 )
+from labkit.theory.tensor_parallel import (
+    LayerParams,
+    LayerTraffic,
+    layer_params,
+    layer_traffic,
+)
 from labkit.theory.zero import (
     BytesPerParam,
     ZeroMemory,
@@ -42,3 +48,5 @@ __all__ = [
     "param_count", "pipeline_bubble", "ring_bytes_per_rank", "zero_breakdown",
     "zero_memory", "zero_traffic",
 ]
+__all__ += ["LayerParams", "LayerTraffic", "activation_terms", "layer_params",
+            "layer_traffic"]

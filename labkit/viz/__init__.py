@@ -9,13 +9,24 @@ pyplot or rcParams; a widget only binds controls to a chart.
     viz.zero_explorer()
 """
 
-from labkit.viz.diagrams import collective_diagram, ring_grid
+from labkit.viz.diagrams import (
+    collective_diagram,
+    ring_grid,
+    ring_panels,
+    traffic_by_collective,
+)
 from labkit.viz.dp_charts import dp_timeline, dp_timelines, dp_traffic
 from labkit.viz.ledger_charts import memory_by_rank, timeline, traffic_by_rank
-from labkit.viz.network_charts import bandwidth_chart, hierarchy, link_load
+from labkit.viz.network_charts import (
+    bandwidth_chart,
+    hierarchy,
+    hierarchy_table,
+    link_load,
+)
+from labkit.viz.sp_charts import activation_bars, ring_steps_chart
 from labkit.viz.style import CATEGORY_COLORS, OP_COLORS, LabFigure
 from labkit.viz.tables import Comparison, Row, measured_vs_expected
-from labkit.viz.theory_charts import placement_bars, zero_bars
+from labkit.viz.theory_charts import activation_chart, placement_bars, zero_bars
 from labkit.viz.widgets import (
     PlacementExplorer,
     RingStepper,
@@ -36,3 +47,5 @@ __all__ = [
 
 __all__ += ["dp_timeline", "dp_timelines", "dp_traffic"]
 __all__ += ["stage_bars", "steward_grid", "steward_grids"]
+__all__ += ["activation_bars", "activation_chart", "hierarchy_table", "ring_panels",
+            "ring_steps_chart", "traffic_by_collective"]
