@@ -240,9 +240,9 @@ def _flush_todo(grads, world_size):
 
 
 def test_bucket_flush_check(cluster, capsys):
-    assert checks.check_bucket_flush(cluster, _flush_todo) is False
+    assert not checks.check_bucket_flush(cluster, _flush_todo)
     assert "not written yet" in capsys.readouterr().out
-    assert checks.check_bucket_flush(cluster, _flush_good) is True
+    assert checks.check_bucket_flush(cluster, _flush_good)
     assert "one all-reduce" in capsys.readouterr().out
     # the first bucket backward fills holds the last layer: '2.bias', '2.weight'
     wrong = (r"rank 0, bucket 0, tensor '2.bias', element \[\d\]: got .*, expected "
@@ -291,7 +291,7 @@ def _sync_weighted_then_divided(grads, n_local, n_global, world_size):
 
 
 def test_uneven_shards_check(cluster):
-    assert checks.check_uneven_shards(cluster, _sync_weighted) is True
+    assert checks.check_uneven_shards(cluster, _sync_weighted)
     wrong = (r"rank 0 \(holding 1 of 13 examples\), tensor '0.weight', element "
              r"\[\d, \d\]: got .*; that is the plain mean .* n_local / n_global")
     with pytest.raises(checks.ExerciseError, match=wrong):
@@ -354,9 +354,9 @@ def _zero1_todo(rank, world_size, a, e, sgd):
 
 
 def test_zero1_step_check(cluster, capsys):
-    assert checks.check_zero1_step(cluster, _zero1_todo) is False
+    assert not checks.check_zero1_step(cluster, _zero1_todo)
     assert "not written yet" in capsys.readouterr().out
-    assert checks.check_zero1_step(cluster, _zero1_good) is True
+    assert checks.check_zero1_step(cluster, _zero1_good)
     assert "correct" in capsys.readouterr().out
     # 1021 elements on 4 ranks: slices of s = 256, the last padded with 3 zeros
     summed = (r"step 1, rank 0, tensor C \(the momentum of rank 0's slice\), element "
@@ -442,3 +442,12 @@ def test_the_cause_comes_before_a_peers_broken_connection():
     assert first.startswith("rank 2: your ring steps raised IndexError")
     assert second.startswith("rank 0: your ring steps raised RuntimeError: [gloo] "
                              "Connection closed by peer")
+
+
+def test_a_check_result_shows_nothing_in_a_notebook():
+    # no stray True/False under a check cell: IPython calls _ipython_display_
+    from labkit.checks.common import NOT_YET, PASSED, Checked
+
+    assert PASSED and not NOT_YET
+    assert isinstance(PASSED, Checked) and PASSED._ipython_display_() is None
+    assert repr(NOT_YET) == "Checked(passed=False)"

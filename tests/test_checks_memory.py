@@ -41,13 +41,13 @@ PLAIN = {"Parameter": 4, "Gradient": 4, "Optstate": 0}
 
 
 def test_optimizer_bytes_check(cluster, capsys):
-    assert check_optimizer_bytes(cluster, _todo, PLAIN) is False
+    assert not check_optimizer_bytes(cluster, _todo, PLAIN)
     assert "not written yet" in capsys.readouterr().out
-    assert check_optimizer_bytes(cluster, _sgd, dict(PLAIN, Optstate=None)) is False
+    assert not check_optimizer_bytes(cluster, _sgd, dict(PLAIN, Optstate=None))
     assert "Optstate not filled in yet" in capsys.readouterr().out
-    assert check_optimizer_bytes(cluster, _sgd, PLAIN) is True
+    assert check_optimizer_bytes(cluster, _sgd, PLAIN)
     assert "4 + 4 + 0 = 8 bytes per parameter" in capsys.readouterr().out
-    assert check_optimizer_bytes(cluster, _momentum, dict(PLAIN, Optstate=4)) is True
+    assert check_optimizer_bytes(cluster, _momentum, dict(PLAIN, Optstate=4))
     with pytest.raises(ExerciseError, match=r"rank 0, Optstate: you predicted 8 bytes "
                        r"per parameter; the rank measured 0\.00 with your "
                        r"SGD\(momentum=0\)"):
@@ -103,9 +103,9 @@ def test_smallest_n_check(capsys):
     def todo(psi, stage, capacity):
         raise NotImplementedError("exercise: smallest N")
 
-    assert check_smallest_n(todo) is False
+    assert not check_smallest_n(todo)
     assert "not written yet" in capsys.readouterr().out
-    assert check_smallest_n(_right) is True
+    assert check_smallest_n(_right)
     assert "from N = 14 under ZeRO-3, Llama 3 70B from N = 15" in (
         capsys.readouterr().out)
     with pytest.raises(ExerciseError, match=r"_powers_of_two\(7e\+10, stage=3\) for "

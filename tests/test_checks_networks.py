@@ -56,9 +56,9 @@ def test_experts_are_uneven_both_ways_with_equal_totals():
 
 
 def test_moe_combine_check(cluster, capsys):
-    assert check_moe_combine(cluster, _todo) is False
+    assert not check_moe_combine(cluster, _todo)
     assert "not written yet" in capsys.readouterr().out
-    assert check_moe_combine(cluster, _good) is True
+    assert check_moe_combine(cluster, _good)
     assert "correct" in capsys.readouterr().out
     with pytest.raises(ExerciseError, match=r"rank 0, row (\d+): expected token \1 of "
                        r"rank 0 .* got token \d+ of rank 0.*out\[order\] = back"):
@@ -97,9 +97,9 @@ def _rings_todo(topo):
 
 
 def test_two_rings_check(capsys):
-    assert check_two_rings(_rings_todo) is False
+    assert not check_two_rings(_rings_todo)
     assert "not written yet" in capsys.readouterr().out
-    assert check_two_rings(_two) is True
+    assert check_two_rings(_two)
     assert "half of one ring's" in capsys.readouterr().out
     with pytest.raises(ExerciseError, match=r"4x4 torus: link d\S+ -> d\S+ carries "
                        r"both rings .* and 16 links do"):

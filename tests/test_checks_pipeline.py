@@ -46,9 +46,9 @@ def _todo(*args):
 
 
 def test_1f1b_order_check(cluster, capsys):
-    assert check_1f1b_order(cluster, _todo) is False
+    assert not check_1f1b_order(cluster, _todo)
     assert "not written yet" in capsys.readouterr().out
-    assert check_1f1b_order(cluster, _one_f_one_b) is True
+    assert check_1f1b_order(cluster, _one_f_one_b)
     out = capsys.readouterr().out
     assert "correct" in out and "[4, 3, 2, 1]" in out  # held, measured by stage
     with pytest.raises(ExerciseError, match=r"rank 0 \(stage 0 of 4, m=6\), step 4:"
@@ -80,9 +80,9 @@ def _first_stage_only(schedule, p, m, stage):
 
 
 def test_in_flight_check(cluster, capsys):
-    assert check_in_flight(cluster, _todo) is False
+    assert not check_in_flight(cluster, _todo)
     assert "not written yet" in capsys.readouterr().out
-    assert check_in_flight(cluster, _right) is True
+    assert check_in_flight(cluster, _right)
     assert "correct" in capsys.readouterr().out
     with pytest.raises(ExerciseError, match=r"1f1b, p=4, m=2, stage 3: you predicted "
                        r"2, the rank held 1 at its peak. Hint: stage s runs p-1-s"):

@@ -42,11 +42,11 @@ def _todo(*args):
 
 
 def test_merge_check(cluster, capsys):
-    assert check_online_softmax_merge(cluster, _todo) is False
+    assert not check_online_softmax_merge(cluster, _todo)
     assert "not written yet" in capsys.readouterr().out
-    assert check_online_softmax_merge(cluster, _merge) is True
+    assert check_online_softmax_merge(cluster, _merge)
     assert "correct" in capsys.readouterr().out
-    assert check_online_softmax_merge(cluster, _as_list) is True  # a tuple will do
+    assert check_online_softmax_merge(cluster, _as_list)  # a tuple will do
     with pytest.raises(ExerciseError, match=r"rank 0 \(scores alike\), the merged l, "
                        r"element \[.*\]: got .* expected .* not rescaled"):
         check_online_softmax_merge(cluster, _no_rescale)
@@ -87,9 +87,9 @@ def _stuck(x, w1, b1, w2, b2, group):
 
 
 def test_sequence_parallel_mlp_check(cluster, capsys):
-    assert check_sequence_parallel_mlp(cluster, _todo) is False
+    assert not check_sequence_parallel_mlp(cluster, _todo)
     assert "not written yet" in capsys.readouterr().out
-    assert check_sequence_parallel_mlp(cluster, _sp_mlp) is True
+    assert check_sequence_parallel_mlp(cluster, _sp_mlp)
     assert "correct" in capsys.readouterr().out
     with pytest.raises(ExerciseError, match=r"rank 0, output element \[0, 0, 0\]: "
                        r"got .*, expected .*3 bias\(es\) too large"):

@@ -62,9 +62,9 @@ def _todo(*args):
 
 
 def test_row_parallel_forward_check(cluster, capsys):
-    assert check_row_parallel_forward(cluster, _todo) is False
+    assert not check_row_parallel_forward(cluster, _todo)
     assert "not written yet" in capsys.readouterr().out
-    assert check_row_parallel_forward(cluster, _row_good) is True
+    assert check_row_parallel_forward(cluster, _row_good)
     assert "correct" in capsys.readouterr().out
     with pytest.raises(ExerciseError, match=r"rank 0, element \(0, 0, 0\): got .*, "
                        r"expected .*\. The output is 3 bias\(es\) too large"):
@@ -92,7 +92,7 @@ def test_a_hang_is_reported_in_seconds(cluster):
                        r"after 2 s.*rank 0: in all_reduce.*rank 1: finished"):
         check_row_parallel_forward(cluster, _row_rank0_only, timeout=2)
     assert time.monotonic() - t0 < 10
-    assert check_row_parallel_forward(cluster, _row_good) is True  # ranks back
+    assert check_row_parallel_forward(cluster, _row_good)  # ranks back
 
 
 # -- exercise 2: f and g ---------------------------------------------------------
@@ -159,9 +159,9 @@ def _f_detached(x, group):
 
 
 def test_conjugate_operators_check(cluster, capsys):
-    assert check_conjugate_operators(cluster, _todo, _todo) is False
+    assert not check_conjugate_operators(cluster, _todo, _todo)
     assert "not written yet" in capsys.readouterr().out
-    assert check_conjugate_operators(cluster, _f, _g) is True
+    assert check_conjugate_operators(cluster, _f, _g)
     assert "correct" in capsys.readouterr().out
     with pytest.raises(ExerciseError, match=r"rank 0, the output, element .*: got .*"
                        r"expected .*The forward is wrong: f must return x"):

@@ -39,6 +39,29 @@ class ExerciseError(AssertionError):
         return [f"{type(self).__name__}: {self}"]
 
 
+class Checked:
+    """What a check returns: true when the answer passed, false while it is not
+    written yet. It shows nothing in a notebook (the check has printed its
+    verdict), so a check cell never ends in a stray True or False."""
+
+    __slots__ = ("passed",)
+
+    def __init__(self, passed: bool):
+        self.passed = bool(passed)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __repr__(self) -> str:
+        return f"Checked(passed={self.passed})"
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+PASSED, NOT_YET = Checked(True), Checked(False)
+
+
 def _not_yet(what: str) -> None:
     print(f"not written yet: replace `raise NotImplementedError(...)` with your "
           f"{what}, then run this cell again")

@@ -3,7 +3,7 @@ shards of different sizes."""
 
 from __future__ import annotations
 
-from labkit.checks.common import ExerciseError, run_answer
+from labkit.checks.common import NOT_YET, PASSED, ExerciseError, run_answer
 
 
 _FLUSH_BUCKETS = (("2.bias", "2.weight"), ("0.bias", "0.weight"))  # backward order
@@ -91,7 +91,7 @@ def check_bucket_flush(cluster, flush) -> bool:
     n = cluster.world_size
     res = run_answer(cluster, _bucket_flush_worker, flush, what="flush")
     if res is None:
-        return False
+        return NOT_YET
     local = [_local_grads(_rows_of(r, 4)) for r in range(n)]
     sizes = dict(_small_mlp().named_parameters())
     for rank, (grads, returned, calls) in enumerate(res):
@@ -137,7 +137,7 @@ def check_bucket_flush(cluster, flush) -> bool:
                 raise ExerciseError(f"{where}; {why}")
     print(f"correct: every bucket went as one all-reduce during backward, and all "
           f"{n} ranks hold the mean gradient in every tensor")
-    return True
+    return PASSED
 
 
 def _uneven_sizes(n: int) -> list[int]:
@@ -167,7 +167,7 @@ def check_uneven_shards(cluster, sync) -> bool:
     n = cluster.world_size
     res = run_answer(cluster, _uneven_worker, sync, what="sync")
     if res is None:
-        return False
+        return NOT_YET
     sizes = _uneven_sizes(n)
     full = _local_grads(torch.cat([_rows_of(r, sizes[r]) for r in range(n)]))
     local = [_local_grads(_rows_of(r, sizes[r])) for r in range(n)]
@@ -198,4 +198,4 @@ def check_uneven_shards(cluster, sync) -> bool:
             raise ExerciseError(f"{where}; {why}")
     print(f"correct: with shards of {sizes} examples every rank holds the "
           "full-batch gradient")
-    return True
+    return PASSED

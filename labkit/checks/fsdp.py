@@ -4,6 +4,8 @@ and the share of the weights a rank holds at its peak."""
 from __future__ import annotations
 
 from labkit.checks.common import (
+    NOT_YET,
+    PASSED,
     NOT_WRITTEN,
     ExerciseError,
     call_answer,
@@ -86,7 +88,7 @@ def check_zero3_hooks(cluster, fn) -> bool:
     """
     res = run_answer(cluster, _hooks_worker, fn, what="gather and free hooks")
     if res is None:
-        return False
+        return NOT_YET
     for rank, r in enumerate(res):
         for name, want in r["want"].items():
             got = r["seen"].get(name)
@@ -126,7 +128,7 @@ def check_zero3_hooks(cluster, fn) -> bool:
                 "parameter brings every rank's shard to every rank")
     print("correct: every rank gathered the weight and bias in rank order, trimmed "
           "the padding, computed the full layer's output, and freed both after")
-    return True
+    return PASSED
 
 
 def check_peak_share(fn, measured: dict[tuple[int, int], float]) -> bool:
@@ -142,7 +144,7 @@ def check_peak_share(fn, measured: dict[tuple[int, int], float]) -> bool:
     for (n, u), want in cases.items():
         got = call_answer(fn, n, u, what="peak share")
         if got is NOT_WRITTEN:
-            return False
+            return NOT_YET
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             raise ExerciseError(f"peak_share({n}, {u}) returned {got!r}: return a "
                                 "number, the fraction of the whole fp32 weights")
@@ -156,4 +158,4 @@ def check_peak_share(fn, measured: dict[tuple[int, int], float]) -> bool:
                 "both whole")
     print("correct: the shards (1/N of every unit) plus two whole units, as the "
           "ledger measured" + (f" for {sorted(measured)}" if measured else ""))
-    return True
+    return PASSED

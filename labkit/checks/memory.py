@@ -7,7 +7,14 @@ import math
 from fractions import Fraction
 
 from labkit import ledger
-from labkit.checks.common import NOT_WRITTEN, ExerciseError, call_answer, run_answer
+from labkit.checks.common import (
+    NOT_WRITTEN,
+    NOT_YET,
+    PASSED,
+    ExerciseError,
+    call_answer,
+    run_answer,
+)
 
 CATEGORIES = ("Parameter", "Gradient", "Optstate")
 _HINTS = {
@@ -48,7 +55,7 @@ def check_optimizer_bytes(cluster, make_optimizer, predicted) -> bool:
     res = run_answer(cluster, _optimizer_worker, make_optimizer,
                      what="optimizer")
     if res is None:
-        return False
+        return NOT_YET
     if not isinstance(predicted, dict):
         raise ExerciseError(f"predicted should be a dict like {{'Parameter': 4, ...}}"
                             f", got {type(predicted).__name__}")
@@ -56,7 +63,7 @@ def check_optimizer_bytes(cluster, make_optimizer, predicted) -> bool:
     if empty:
         print(f"predicted: {', '.join(empty)} not filled in yet (replace None with "
               "bytes per parameter), then run this cell again")
-        return False
+        return NOT_YET
     for rank, r in enumerate(res):
         if "problem" in r:
             raise ExerciseError(f"rank {rank}: {r['problem']}")
@@ -79,7 +86,7 @@ def check_optimizer_bytes(cluster, make_optimizer, predicted) -> bool:
     per = [round(r["current"].get(c, 0) / r["psi"], 2) for c in CATEGORIES]
     print(f"correct: {desc} holds {per[0]:g} + {per[1]:g} + {per[2]:g} = "
           f"{sum(per):g} bytes per parameter on every rank (fp32 Adam: 4 + 4 + 8 = 16)")
-    return True
+    return PASSED
 
 
 # ------------------------------------------------------------------ smallest N
@@ -126,7 +133,7 @@ def check_smallest_n(fn, capacity: float = 80e9) -> bool:
             except ExerciseError as err:
                 raise ExerciseError(f"{call}: {err}") from None
             if got is NOT_WRITTEN:
-                return False
+                return NOT_YET
             if got is not None and (isinstance(got, bool) or not isinstance(
                     got, (int, float)) or not math.isfinite(got) or got != int(got)):
                 raise ExerciseError(f"{call} returned {got!r}: return a whole number "
@@ -161,4 +168,4 @@ def check_smallest_n(fn, capacity: float = 80e9) -> bool:
     print(f"correct on {len(psis) * 4} cases: e.g. Ψ = 70e9 fits in {capacity / 1e9:g}"
           f" GB from N = {n70} under ZeRO-3, Llama 3 70B from N = {llama}, and under "
           "stages 0 to 2 at no N")
-    return True
+    return PASSED

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import math
 
-from labkit.checks.common import NOT_WRITTEN, ExerciseError, call_answer, run_answer
+from labkit.checks.common import (
+    NOT_WRITTEN,
+    NOT_YET,
+    PASSED,
+    ExerciseError,
+    call_answer,
+    run_answer,
+)
 
 FEATURES = 3  # a token here is (source rank, index on that rank, expert's mark)
 
@@ -76,7 +83,7 @@ def check_moe_combine(cluster, fn) -> bool:
 
     res = run_answer(cluster, _combine_worker, fn, what="combine")
     if res is None:
-        return False
+        return NOT_YET
     n = cluster.world_size
     for rank, r in enumerate(res):
         out, expert = r["out"], r["expert"]
@@ -119,7 +126,7 @@ def check_moe_combine(cluster, fn) -> bool:
         raise ExerciseError(f"{msg}. Hint: {hint}")
     print(f"correct: on {n} ranks every token came back from its expert to its own "
           "rank, in its original place")
-    return True
+    return PASSED
 
 
 # ---------------------------------------------------------------- two rings
@@ -174,7 +181,7 @@ def check_two_rings(fn, dims=((4, 4), (6, 4)), size: float = 1e9) -> bool:
         except ExerciseError as err:
             raise ExerciseError(f"on the {topo.name}: {err}") from None
         if rings is NOT_WRITTEN:
-            return False
+            return NOT_YET
         if not isinstance(rings, (tuple, list)) or len(rings) != 2:
             raise ExerciseError(f"on the {topo.name}: return two rings, e.g. "
                                 f"(ring_a, ring_b); got {type(rings).__name__}"
@@ -199,4 +206,4 @@ def check_two_rings(fn, dims=((4, 4), (6, 4)), size: float = 1e9) -> bool:
           f"hop, no link carrying both. The busiest link carries (N-1)/N·M (here "
           f"{one / 1e9:.3g} GB for M = {size / 1e9:g} GB on {n} chips), half of one "
           "ring's 2(N-1)/N·M, so the all-reduce takes half the time")
-    return True
+    return PASSED

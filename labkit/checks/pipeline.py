@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import traceback
 
-from labkit.checks.common import ExerciseError
+from labkit.checks.common import NOT_YET, PASSED, ExerciseError
 from labkit.runtime.results import CollectiveTimeout, RankError
 
 TIMEOUT = 20.0  # seconds: a hang is reported, not waited for
@@ -134,7 +134,7 @@ def check_1f1b_order(cluster, fn, m: int = 6) -> bool:
     p = cluster.world_size
     res = _run(cluster, _order_worker, fn, m, what="1F1B order")
     if res is None:
-        return False
+        return NOT_YET
     for rank, r in enumerate(res):
         if r["status"] == "raised":
             raise ExerciseError(f"rank {rank} (stage {rank} of {p}, m={m}): your "
@@ -168,7 +168,7 @@ def check_1f1b_order(cluster, fn, m: int = 6) -> bool:
     print(f"correct: every stage's {2 * m} passes in 1F1B order; run on {p} real "
           f"ranks they give one process's gradients, holding at most {held} "
           "micro-batches by stage")
-    return True
+    return PASSED
 
 
 # ---------------------------------------------------------------- exercise 2
@@ -199,7 +199,7 @@ def check_in_flight(cluster, fn) -> bool:
     p = cluster.world_size
     res = _run(cluster, _in_flight_worker, fn, what="prediction")
     if res is None:
-        return False
+        return NOT_YET
     for (schedule, m) in CASES:
         for rank, r in enumerate(res):
             measured, (status, guess) = r[schedule, m]
@@ -218,4 +218,4 @@ def check_in_flight(cluster, fn) -> bool:
                                     f"{measured} at its peak. Hint: {hint}")
     print(f"correct: on all {p} ranks, for GPipe and 1F1B with m = 2 and 6, your "
           "prediction is what each stage held")
-    return True
+    return PASSED

@@ -4,7 +4,13 @@ is wrong."""
 
 from __future__ import annotations
 
-from labkit.checks.common import NOT_WRITTEN, ExerciseError, call_answer
+from labkit.checks.common import (
+    NOT_WRITTEN,
+    NOT_YET,
+    PASSED,
+    ExerciseError,
+    call_answer,
+)
 from labkit.theory.placement import Placement
 
 STATES = {"P": "parameters", "O": "optimizer state", "G": "gradients",
@@ -42,19 +48,19 @@ def check_placement(what: str, yours, predicted, want: Placement, measured: dict
     if callable(yours) and not isinstance(yours, Placement):
         answer = call_answer(yours, what=f"{what} answer")
         if answer is NOT_WRITTEN:
-            return False
+            return NOT_YET
         if not (isinstance(answer, tuple) and len(answer) == 2):
             raise ExerciseError(f"{what}: return a pair (Placement(...), dict of "
                                 f"predicted bytes), not {answer!r}")
         yours, predicted = answer
     if yours is None:
         print(f"{what}: not answered yet (replace None with your Placement)")
-        return False
+        return NOT_YET
     _compare_placement(what, yours, want)
     if predicted is None or any(predicted.get(k) is None for k in measured):
         print(f"{what}: the placement is right; now predict "
               f"{', '.join(k for k in measured)} in bytes")
-        return False
+        return NOT_YET
     for key, got in measured.items():
         guess = predicted[key]
         if isinstance(guess, bool) or not isinstance(guess, (int, float)):
@@ -66,4 +72,4 @@ def check_placement(what: str, yours, predicted, want: Placement, measured: dict
                 f"ledgers measured {got:,.0f} ({guess / max(got, 1):.3g}×)")
     print(f"{what}: placement and bytes right "
           f"({', '.join(f'{k} {measured[k]:,.0f}' for k in measured)})")
-    return True
+    return PASSED

@@ -6,6 +6,8 @@ a rank left waiting in a collective is reported in seconds."""
 from __future__ import annotations
 
 from labkit.checks.common import (
+    NOT_YET,
+    PASSED,
     SHORT_TIMEOUT,
     ExerciseError,
     check_like,
@@ -116,7 +118,7 @@ def check_online_softmax_merge(cluster, fn, *, timeout: float = SHORT_TIMEOUT
     rank and element, expected against got, with what the mistake looks like."""
     res = run_answer(cluster, _merge_worker, fn, what="merge", timeout=timeout)
     if res is None:
-        return False
+        return NOT_YET
     from labkit.parallel.ring_attention import Partial
 
     for rank, r in enumerate(res):
@@ -152,7 +154,7 @@ def check_online_softmax_merge(cluster, fn, *, timeout: float = SHORT_TIMEOUT
     print(f"correct: the merge rescales both partials to the larger max and adds "
           f"them; with it, ring attention on {t} ranks gives one process's causal "
           f"attention (within {MERGE_TOL:g})")
-    return True
+    return PASSED
 
 
 # -- exercise 2: a sequence-parallel MLP's forward ------------------------------------
@@ -205,7 +207,7 @@ def check_sequence_parallel_mlp(cluster, fn, *, timeout: float = SHORT_TIMEOUT
     res = run_answer(cluster, _sp_mlp_worker, fn, what="sequence-parallel MLP",
                      timeout=timeout)
     if res is None:
-        return False
+        return NOT_YET
     for rank, r in enumerate(res):
         y, want = r["y"], r["want"]
         if hasattr(y, "shape") and tuple(y.shape) == tuple(r["whole"].shape) != \
@@ -237,7 +239,7 @@ def check_sequence_parallel_mlp(cluster, fn, *, timeout: float = SHORT_TIMEOUT
     print(f"correct: on {t} ranks, all-gather of the sequence, column- then "
           "row-parallel matmuls, a reduce-scatter back to sequence shards and the "
           "bias once give one process's MLP, row for row")
-    return True
+    return PASSED
 
 
 def _mlp_hint(y, want, bias, t) -> str:

@@ -6,7 +6,14 @@ mistake."""
 
 from __future__ import annotations
 
-from labkit.checks.common import SHORT_TIMEOUT, ExerciseError, first_wrong, run_answer
+from labkit.checks.common import (
+    NOT_YET,
+    PASSED,
+    SHORT_TIMEOUT,
+    ExerciseError,
+    first_wrong,
+    run_answer,
+)
 
 IN, OUT, FFN = 12, 7, 16  # Linear(12, 7); 12 and 16 divide by 2, 3, 4 ranks
 SEQ, BATCH = 5, 3
@@ -77,7 +84,7 @@ def check_row_parallel_forward(cluster, fn, *, timeout: float = SHORT_TIMEOUT
     res = run_answer(cluster, _row_worker, fn, what="row-parallel forward",
                      timeout=timeout)
     if res is None:
-        return False
+        return NOT_YET
     for rank, r in enumerate(res):
         y, want = r["y"], r["want"]
         if isinstance(y, str):
@@ -103,7 +110,7 @@ def check_row_parallel_forward(cluster, fn, *, timeout: float = SHORT_TIMEOUT
     print(f"correct: on each of {t} ranks, (5, 3, {IN}/{t}) @ ({IN}/{t}, 7) gave a "
           f"partial sum; one all-reduce of {SEQ * BATCH * OUT} elements and the bias "
           "once gave the whole layer's output")
-    return True
+    return PASSED
 
 
 def _row_hint(y, want, partial, bias, t) -> str:
@@ -191,7 +198,7 @@ def check_conjugate_operators(cluster, f, g, *, timeout: float = SHORT_TIMEOUT
     of f and g (forward or backward) can produce that mistake."""
     res = run_answer(cluster, _fg_worker, f, g, what="f and g", timeout=timeout)
     if res is None:
-        return False
+        return NOT_YET
     t = cluster.world_size
     y, dx, grads = _reference()
     for rank, r in enumerate(res):
@@ -232,7 +239,7 @@ def check_conjugate_operators(cluster, f, g, *, timeout: float = SHORT_TIMEOUT
     print(f"correct: output, x's gradient and every weight's gradient match one "
           f"process on all {t} ranks, with one all-reduce forward (g) and one "
           "backward (f)")
-    return True
+    return PASSED
 
 
 def _fg_message(rank, what, got, want, t, hint) -> str:
