@@ -47,3 +47,21 @@ def test_launch_runs_a_worker_function_under_torchrun(tmp_path):
     assert lines == ["[rank 0] [1.0, 3.0, 5.0, 7.0]", "[rank 1] [1.0, 3.0, 5.0, 7.0]"]
     bad = _labkit("launch", f"{work}:nothing")
     assert bad.returncode == 2 and "no function 'nothing'" in bad.stderr
+
+
+def test_bench_model_parallel_runs_both_benches_on_two_ranks(monkeypatch, capsys):
+    # the dispatch only (the benches themselves are timings, run by `make bench`)
+    from labkit.cli import bench_pipeline, bench_tensor_parallel, main
+    from labkit.cli.bench import Row
+
+    seen = []
+    monkeypatch.setattr(bench_tensor_parallel, "bench_tensor_parallel",
+                        lambda n: seen.append(("tp", n)) or [Row("a / b", 1.3, 1.2,
+                                                                 unit="x")])
+    monkeypatch.setattr(bench_pipeline, "bench_pipeline",
+                        lambda n: seen.append(("pp", n)) or [Row("c / d", 0.9, 1.2,
+                                                                 unit="x")])
+    assert main.main(["bench", "model-parallel"]) == 1  # one figure short
+    assert seen == [("tp", 2), ("pp", 2)]
+    out = capsys.readouterr().out
+    assert "a / b" in out and "short" in out and "c / d" in out

@@ -82,9 +82,9 @@ def bench_pipeline(world_size: int = 2, rounds: int = 5, steps: int = 10) -> lis
           f"{MICRO} micro-batches, 1F1B (step times are timings)")
     seconds: dict[str, list[float]] = {k: [] for k in NAMES}
     with labkit.Cluster(world_size, timeout=600) as c:
-        for r in range(rounds):  # interleaved: each round runs both once
-            print(f"  … round {r + 1} of {rounds}", flush=True)
-            for name in NAMES:
+        for r in range(rounds):  # interleaved: each round runs both once, the
+            print(f"  … round {r + 1} of {rounds}", flush=True)  # order alternating
+            for name in NAMES[::-1] if r % 2 else NAMES:
                 seconds[name].append(max(c.run(_time_steps, name, steps)))
     return pipeline_rows({k: statistics.median(v) for k, v in seconds.items()})
 

@@ -1,4 +1,4 @@
-"""`python -m labkit ...`: doctor | bench cluster|ring|strategies |
+"""`python -m labkit ...`: doctor | bench cluster|ring|strategies|model-parallel |
 launch FILE.py:FN | images | clean-notebooks FILES... | student [--run]
 (one module per command)."""
 
@@ -8,14 +8,28 @@ import argparse
 import sys
 
 
+def bench_model_parallel(world_size: int) -> int:
+    """The tensor-parallel MLP against DTensor's, then the 1F1B pipeline against
+    torch.distributed.pipelining's Schedule1F1B: one table, one exit status."""
+    from labkit.cli.bench import exit_code, table
+    from labkit.cli.bench_pipeline import bench_pipeline
+    from labkit.cli.bench_tensor_parallel import bench_tensor_parallel
+
+    rows = bench_tensor_parallel(world_size) + bench_pipeline(world_size)
+    print()
+    print(table(rows))
+    return exit_code(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m labkit")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("doctor", help="versions, backend, and a 2-rank smoke test")
     b = sub.add_parser("bench", help="benchmarks: each figure beside its target; "
                        "exit status 1 when one falls short")
-    b.add_argument("what", choices=["cluster", "ring", "strategies"])
-    b.add_argument("--world-size", type=int, default=4)
+    b.add_argument("what", choices=["cluster", "ring", "strategies", "model-parallel"])
+    b.add_argument("--world-size", type=int, default=None,
+                   help="ranks (default: 2 for model-parallel, else 4)")
     sub.add_parser("images", help="draw the course's diagrams into images/")
     la = sub.add_parser("launch", help="run FILE.py:FUNCTION under torchrun")
     la.add_argument("target", help="FILE.py:FUNCTION or module:FUNCTION")
@@ -39,14 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "bench":
         from labkit.cli.bench import bench_cluster, bench_ring
 
+        n = args.world_size or (2 if args.what == "model-parallel" else 4)
+        if args.what == "model-parallel":
+            return bench_model_parallel(n)
         if args.what == "strategies":
             from labkit.cli.bench_strategies import bench_strategies
 
-            return bench_strategies(args.world_size)
-
+            return bench_strategies(n)
         if args.what == "ring":
-            return bench_ring(args.world_size)
-        return bench_cluster(args.world_size)
+            return bench_ring(n)
+        return bench_cluster(n)
     if args.cmd == "launch":
         from labkit.runtime.launch import launch
 
