@@ -20,6 +20,7 @@ from labkit.checks.data_parallel import check_bucket_flush, check_uneven_shards
 from labkit.checks.fsdp import check_peak_share, check_zero3_hooks
 from labkit.checks.memory import check_optimizer_bytes, check_smallest_n
 from labkit.checks.networks import check_moe_combine, check_two_rings
+from labkit.checks.pipeline import check_1f1b_order, check_in_flight
 from labkit.checks.placement import check_placement
 from labkit.checks.ring import (
     check_ring_all_gather,
@@ -44,3 +45,4 @@ __all__ += ["check_all_to_all", "check_bytes_per_rank", "check_cheap_reduce_scat
             "check_online_softmax_merge", "check_optimizer_bytes", "check_peak_share",
             "check_ring_all_gather", "check_ring_time", "check_row_parallel_forward",
             "check_sequence_parallel_mlp", "check_smallest_n", "check_two_rings"]
+__all__ += ["check_1f1b_order", "check_in_flight"]

@@ -12,7 +12,9 @@ its step in host memory, ZeRO-Offload), groups (the tp/cp/pp/dp rank grid),
 tensor_parallel (Megatron's column- and row-parallel layers; tensor_parallel_mappings
 their f, g and sequence all-gather/reduce-scatter as autograd functions),
 sequence_parallel (LayerNorm and dropout on sequence shards), ring_attention
-(context parallelism).
+(context parallelism), pipeline_parallel (PipelineParallel: layers cut into stages
+over a process group, GPipe and 1F1B, spans and measured bubble), pipeline_schedules
+(each stage's order for GPipe, 1F1B, interleaved and ZB-H1; simulate_schedule).
 """
 
 from labkit.parallel.checkpointing import (
@@ -28,6 +30,8 @@ from labkit.parallel.events import Span, overlap_fraction
 from labkit.parallel.fsdp import FullyShardedDataParallel
 from labkit.parallel.groups import ParallelGroups, grid
 from labkit.parallel.offload import OffloadedOptimizer, Transfer
+from labkit.parallel.pipeline_parallel import PipelineParallel, bubble_fractions
+from labkit.parallel.pipeline_schedules import simulate_schedule, stage_order
 from labkit.parallel.precision import MasterWeights
 from labkit.parallel.ring_attention import ring_attention
 from labkit.parallel.sequence_parallel import ParallelTransformerLayer, TransformerLayer
@@ -46,3 +50,4 @@ __all__ = ["Checkpointed", "DataParallel", "Flops", "FullyShardedDataParallel",
 __all__ += ["ColumnParallelLinear", "ParallelGroups", "ParallelMLP",
             "ParallelSelfAttention", "ParallelTransformerLayer", "RowParallelLinear",
             "TransformerLayer", "grid", "ring_attention"]
+__all__ += ["PipelineParallel", "bubble_fractions", "simulate_schedule", "stage_order"]

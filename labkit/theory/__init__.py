@@ -17,7 +17,12 @@ from labkit.theory.collective_cost import (
     ring_bytes_per_rank,
 )
 from labkit.theory.models import MODELS, PUBLISHED_PARAMS, ModelConfig, param_count
-from labkit.theory.pipeline import Bubble, activations_in_flight, pipeline_bubble
+from labkit.theory.pipeline import (
+    Bubble,
+    activations_in_flight,
+    pipeline_bubble,
+    zero_bubble_h1,
+)
 from labkit.theory.placement import (
     MODES,
     PLACEMENTS,
@@ -49,4 +54,4 @@ __all__ = [
     "zero_memory", "zero_traffic",
 ]
 __all__ += ["LayerParams", "LayerTraffic", "activation_terms", "layer_params",
-            "layer_traffic"]
+            "layer_traffic", "zero_bubble_h1"]

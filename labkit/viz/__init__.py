@@ -23,6 +23,13 @@ from labkit.viz.network_charts import (
     hierarchy_table,
     link_load,
 )
+from labkit.viz.pipeline_charts import (
+    bubble_vs_m,
+    pipeline_timeline,
+    pipeline_timelines,
+    schedule_timeline,
+    schedule_timelines,
+)
 from labkit.viz.sp_charts import activation_bars, ring_steps_chart
 from labkit.viz.style import CATEGORY_COLORS, OP_COLORS, LabFigure
 from labkit.viz.tables import Comparison, Row, measured_vs_expected
@@ -49,3 +56,5 @@ __all__ += ["dp_timeline", "dp_timelines", "dp_traffic"]
 __all__ += ["stage_bars", "steward_grid", "steward_grids"]
 __all__ += ["activation_bars", "activation_chart", "hierarchy_table", "ring_panels",
             "ring_steps_chart", "traffic_by_collective"]
+__all__ += ["bubble_vs_m", "pipeline_timeline", "pipeline_timelines",
+            "schedule_timeline", "schedule_timelines"]
