@@ -59,8 +59,8 @@ from labkit.parallel.tensor_parallel import (
     SelfAttention,
 )
 from labkit.parallel.tensor_parallel_mappings import (
-    _all_gather_first,
-    _reduce_scatter_first,
+    all_gather_first,
+    reduce_scatter_first,
 )
 
 RECOMPUTE = ("none", "selective", "full")
@@ -147,13 +147,13 @@ class _GatherLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.has_bias = group, bias is not None
-        return F.linear(_all_gather_first(x, group), weight, bias)
+        return F.linear(all_gather_first(x, group), weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        total = _all_gather_first(x, ctx.group)  # (s, b, in), again
-        dx = _reduce_scatter_first(dy.matmul(weight), ctx.group)  # (s/t, b, in)
+        total = all_gather_first(x, ctx.group)  # (s, b, in), again
+        dx = reduce_scatter_first(dy.matmul(weight), ctx.group)  # (s/t, b, in)
         dy2 = dy.reshape(-1, dy.shape[-1])
         dw = dy2.t().matmul(total.reshape(-1, total.shape[-1]))
         db = dy2.sum(0) if ctx.has_bias else None

@@ -71,7 +71,7 @@ def _all_gather_last(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts.unbind(0), dim=-1)
 
 
-def _all_gather_first(x: torch.Tensor, group) -> torch.Tensor:
+def all_gather_first(x: torch.Tensor, group) -> torch.Tensor:
     """(s/t, ...) on each rank -> (s, ...), rank r's rows at [r*s/t, (r+1)*s/t)."""
     if _size(group) == 1:
         return x
@@ -79,7 +79,7 @@ def _all_gather_first(x: torch.Tensor, group) -> torch.Tensor:
     return parts.view(x.shape[0] * parts.shape[0], *x.shape[1:])
 
 
-def _reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
     """(s, ...) on each rank -> (s/t, ...): rank r gets rows [r*s/t, (r+1)*s/t)
     summed over the ranks. An all-to-all sends chunk q to rank q; each rank sums
     the t chunks it receives, in rank order."""
@@ -164,29 +164,29 @@ class _ScatterFirst(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_first(grad, ctx.group), None
+        return all_gather_first(grad, ctx.group), None
 
 
 class _GatherFirst(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather_first(x, group)
+        return all_gather_first(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_first(grad, ctx.group), None
+        return reduce_scatter_first(grad, ctx.group), None
 
 
 class _ReduceScatterFirst(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_first(x, group)
+        return reduce_scatter_first(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_first(grad, ctx.group), None
+        return all_gather_first(grad, ctx.group), None
 
 
 # -- the operators ---------------------------------------------------------------
