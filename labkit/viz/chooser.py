@@ -1,0 +1,171 @@
+"""The strategy chooser: a cluster's shape in, feasible layouts ranked by
+estimated step time out, with the reasons and a chart of where the time goes.
+
+Headless like labkit.viz.widgets: set a control's `.value`, then read `.last`
+(the ranking), `.value` (the table's text) and `.figure` (the chart drawn)."""
+
+from __future__ import annotations
+
+import html
+
+import ipywidgets as W
+from matplotlib.figure import Figure
+
+from labkit.theory.layouts import (
+    PUBLISHED_RUNS,
+    Cluster,
+    choose,
+    explain,
+    find,
+)
+from labkit.theory.models import MODELS
+from labkit.viz.style import _axes
+from labkit.viz.widgets import _show
+
+TIME_COLORS = {"compute": "#4c72b0", "tp": "#dd8452", "cp": "#937860",
+               "pp": "#8172b3", "dp": "#55a868", "ep": "#c44e52",
+               "bubble": "#bbbbbb"}
+TIME_LABELS = {"compute": "compute", "tp": "TP all-reduce (exposed)",
+               "cp": "CP all-gather (exposed)", "pp": "PP send (exposed)",
+               "dp": "DP / ZeRO (exposed)", "ep": "EP all-to-all (exposed)",
+               "bubble": "pipeline bubble"}
+
+
+def step_time_bars(ranked, *, published=None, top: int = 5) -> Figure:
+    """Stacked bars of each layout's step time (compute, exposed communication by
+    kind, bubble) for the `top` fastest, and the published layout if given."""
+    rows = list(ranked[:top])
+    mine = find(ranked, published) if published is not None else None
+    if mine is not None and mine not in rows:
+        rows.append(mine)
+    fig, ax = _axes(None, (2.0 + 1.5 * max(len(rows), 1), 4.0))
+    bottom = [0.0] * len(rows)
+    for part, color in TIME_COLORS.items():
+        h = [r.estimate.time[part] for r in rows]
+        ax.bar(range(len(rows)), h, bottom=bottom, color=color,
+               label=TIME_LABELS[part], width=0.6)
+        bottom = [b + x for b, x in zip(bottom, h)]
+    for i, total in enumerate(bottom):
+        ax.text(i, total, f"{total:.2f}", ha="center", va="bottom", fontsize=8)
+    labels = [f"#{r.rank}\n" + str(r.layout).replace(" · ", "\n") for r in rows]
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    if mine is not None:
+        ax.get_xticklabels()[rows.index(mine)].set_fontweight("bold")
+    ax.set_ylim(0, 1.15 * (max(bottom, default=0.0) or 1.0))
+    ax.set_ylabel("estimated seconds per step")
+    ax.set_title("Where each layout's step goes (bold: published)" if mine else
+                 "Where each layout's step goes")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+def _defaults(model: str) -> tuple[int, int, Cluster | None]:
+    run = next((r for r in PUBLISHED_RUNS.values() if r.model == model), None)
+    if run is not None:
+        return run.global_batch_tokens, run.seq, run.cluster
+    seq = MODELS[model].seq
+    return 1024 * seq, seq, None
+
+
+class StrategyChooser(W.VBox):
+    """Model preset, GPU memory, GPUs per node, nodes, NVLink and network
+    bandwidth -> the layouts that fit, fastest first, with reasons."""
+
+    def __init__(self, model: str = "llama3-405b", rows: int = 8):
+        self.rows = rows
+        tokens, seq, cl = _defaults(model)
+        cl = cl or PUBLISHED_RUNS["llama3-405b"].cluster
+        opts = dict(continuous_update=False, style={"description_width": "130px"})
+        self.model = W.Dropdown(options=list(MODELS), value=model,
+                                description="model")
+        self.gpu_memory = W.FloatSlider(value=cl.gpu_memory / 1e9, min=16, max=192,
+                                        step=8, description="GPU memory (GB)", **opts)
+        self.gpus_per_node = W.SelectionSlider(options=[1, 2, 4, 8, 16],
+                                               value=cl.gpus_per_node,
+                                               description="GPUs per node", **opts)
+        counts = {2**i for i in range(13)} | {r.cluster.nodes
+                                              for r in PUBLISHED_RUNS.values()}
+        self.nodes = W.SelectionSlider(options=sorted(counts),
+                                       value=cl.nodes, description="nodes", **opts)
+        self.intra_bw = W.FloatSlider(value=cl.intra_bw / 1e9, min=25, max=900,
+                                      step=25, description="NVLink (GB/s)", **opts)
+        self.inter_bw = W.FloatSlider(value=cl.inter_bw / 1e9, min=5, max=100,
+                                      step=5, description="network (GB/s)", **opts)
+        self.info = W.HTML()
+        self.table = W.HTML()
+        self.out = W.Output()
+        self.last: list = []
+        self.figure = None
+        self.value = ""  # the table as plain text, for tests and screen readers
+        self._syncing = False
+        self.model.observe(self._on_model, names="value")
+        for w in (self.gpu_memory, self.gpus_per_node, self.nodes, self.intra_bw,
+                  self.inter_bw):
+            w.observe(self._draw, names="value")
+        super().__init__([W.HBox([self.model, self.gpu_memory, self.gpus_per_node]),
+                          W.HBox([self.nodes, self.intra_bw, self.inter_bw]),
+                          self.info, self.table, self.out])
+        self._draw()
+
+    def cluster(self) -> Cluster:
+        """The controls' cluster; its GPU's speed is the model's published run's
+        (A100 for GPT-3, H100/H800 otherwise)."""
+        _, _, cl = _defaults(self.model.value)
+        return Cluster(self.gpu_memory.value * 1e9, self.gpus_per_node.value,
+                       self.nodes.value, self.intra_bw.value * 1e9,
+                       self.inter_bw.value * 1e9, cl.flops if cl else 989e12)
+
+    def _on_model(self, change=None) -> None:
+        _, _, cl = _defaults(self.model.value)
+        if cl is not None:  # a published run: its cluster, in one redraw
+            self._syncing = True
+            try:
+                self.gpu_memory.value = cl.gpu_memory / 1e9
+                self.gpus_per_node.value = cl.gpus_per_node
+                self.nodes.value = cl.nodes
+                self.intra_bw.value = cl.intra_bw / 1e9
+                self.inter_bw.value = cl.inter_bw / 1e9
+            finally:
+                self._syncing = False
+        self._draw()
+
+    def _draw(self, change=None) -> None:
+        if self._syncing:
+            return
+        name = self.model.value
+        tokens, seq, _ = _defaults(name)
+        cl = self.cluster()
+        run = PUBLISHED_RUNS.get(name)
+        published = run.layout if run else None
+        try:
+            ranked = choose(name, cl, tokens, seq)
+        except ValueError as e:
+            ranked, self.info.value = [], f"<b>no layout:</b> {html.escape(str(e))}"
+        self.last = ranked
+        lines = [f"{r.rank:>4}  {r.step_time:7.2f} s  "
+                 f"{r.estimate.memory_total / 1e9:6.1f} GB  {r.layout} "
+                 f"[{r.layout.schedule}, recompute {r.layout.recompute}]"
+                 for r in ranked[:self.rows]]
+        self.value = "\n".join(lines) if ranked else "no layout fits"
+        head = (f"{MODELS[name].name}, {tokens:,} tokens per step of {seq:,}: "
+                f"{len(ranked):,} layouts fit on {cl.gpus:,} GPUs "
+                f"({cl.gpus_per_node} per node, {cl.flops / 1e12:,.0f} TFLOPS "
+                f"bf16 each at {cl.mfu:.0%}).")
+        if published is not None and ranked:
+            head += " " + explain(ranked, published)
+        if ranked:
+            self.info.value = html.escape(head)
+        body = "".join(
+            f"<tr><td>{r.rank}</td><td>{html.escape(str(r.layout))}</td>"
+            f"<td>{r.step_time:.2f}</td><td>{r.estimate.memory_total / 1e9:.1f}</td>"
+            f"<td>{html.escape('; '.join(r.reasons))}</td></tr>"
+            for r in ranked[:self.rows])
+        self.table.value = ("<table><tr><th>rank</th><th>layout</th><th>s/step</th>"
+                            "<th>GB/GPU</th><th>why</th></tr>" + body + "</table>")
+        self.figure = step_time_bars(ranked, published=published)
+        _show(self.out, self.figure)
+
+
+def strategy_chooser(**kw) -> StrategyChooser:
+    """A widget: cluster shape in, feasible layouts ranked by step time out."""
+    return StrategyChooser(**kw)

@@ -1,0 +1,185 @@
+"""labkit.theory.layouts: published layouts through the calculator, and the chooser."""
+
+import dataclasses
+
+import pytest
+
+from labkit import theory
+from labkit.theory.layouts import (
+    H100_NODE,
+    LLAMA3_CLUSTER,
+    PUBLISHED_RUNS,
+    Layout,
+    choose,
+    estimate,
+    explain,
+    find,
+    flops_per_token,
+)
+
+M = theory.MODELS
+
+
+@pytest.fixture(scope="module")
+def ranked():
+    return {k: choose(r.model, r.cluster, r.global_batch_tokens, r.seq)
+            for k, r in PUBLISHED_RUNS.items()}
+
+
+def test_layout_gpus_and_str():
+    lay = Layout(tp=8, pp=16, cp=16, dp=8)
+    assert lay.gpus == 16384
+    assert str(lay) == "TP 8 · PP 16 · CP 16 · DP 8"
+    ds = PUBLISHED_RUNS["deepseek-v3"].layout
+    assert ds.gpus == 2048 == PUBLISHED_RUNS["deepseek-v3"].cluster.gpus
+    assert str(ds) == "TP 1 · PP 16 · EP 64 · DP 128 (ZeRO-1)"
+    assert PUBLISHED_RUNS["llama3-405b"].layout.gpus == 16384 == LLAMA3_CLUSTER.gpus
+
+
+@pytest.mark.parametrize("key", list(PUBLISHED_RUNS))
+def test_published_layout_fits_and_is_ranked(key, ranked):
+    run = PUBLISHED_RUNS[key]
+    est = run.estimate()
+    assert est.fits, (key, est.memory_total)
+    assert est.layout.gpus == run.cluster.gpus
+    mine = find(ranked[key], run.layout)
+    assert mine is not None and mine.estimate.step_time == est.step_time
+    text = explain(ranked[key], run.layout)
+    assert f"ranks {mine.rank} of {len(ranked[key])}" in text
+    if mine.rank > 1:  # it must say which it prefers, and why
+        assert f"prefers {ranked[key][0].layout}" in text and "spends more on" in text
+    tie = "a tie at this calculator's precision" in text
+    assert tie == (mine.rank > 1 and mine.step_time <= 1.02 * ranked[key][0].step_time)
+    times = [r.step_time for r in ranked[key]]
+    assert times == sorted(times)
+    assert all(r.estimate.fits for r in ranked[key])
+
+
+def test_llama3_weights_per_gpu():
+    # 405.9e9 bf16 weights = 812 GB over TP 8 x PP 16 = 128 ways: 6.34 GB per GPU
+    est = PUBLISHED_RUNS["llama3-405b"].estimate()
+    psi = theory.param_count("llama3-405b")
+    assert est.memory["params"] == pytest.approx(2 * psi / 128)
+    assert est.memory["params"] / 1e9 == pytest.approx(6.34, abs=0.01)
+    # ZeRO-2 over DP 128: gradients and the 12-byte optimizer state are sharded
+    assert est.memory["grads"] == pytest.approx(2 * psi / 128 / 128)
+    assert est.memory["optimizer"] == pytest.approx(12 * psi / 128 / 128)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_pure_data_parallel_is_zero_paper(stage):
+    # plain ZeRO over 64 ranks: model states match theory.zero_memory exactly
+    cl = H100_NODE.__class__(80e9, 8, 8, 450e9, 50e9, 989e12)
+    est = estimate(M["llama3-8b"], Layout(dp=64, zero=stage, microbatches=1), cl,
+                   64 * 8192, 8192)
+    psi = theory.param_count("llama3-8b")
+    model_state = sum(v for k, v in est.memory.items() if k != "activations")
+    assert model_state == pytest.approx(theory.zero_memory(psi, 64, stage))
+    assert est.traffic["dp"] == pytest.approx(
+        sum(theory.zero_traffic(psi, 64, stage).values()))
+    assert est.traffic["tp"] == est.traffic["pp"] == 0
+
+
+def test_llama3_traffic_and_compute():
+    run = PUBLISHED_RUNS["llama3-405b"]
+    c, est = M["llama3-405b"], run.estimate()
+    # TP: 4 all-reduces per layer, 8 layers per stage (ceil(126 / 16)), 16
+    # micro-batches of one 8192-token sequence
+    lt = theory.layer_traffic(1, 8192, c.hidden, 8)
+    assert est.traffic["tp"] == pytest.approx(lt.bytes_per_rank * 8 * 16)
+    # PP: one activation forward and one gradient back per micro-batch and chunk,
+    # scattered over TP 8 (v = 2 chunks per stage)
+    assert est.traffic["pp"] == pytest.approx(2 * 16 * 8192 * c.hidden * 2 / 8 * 2)
+    assert est.traffic["cp"] == est.traffic["ep"] == 0
+    # compute: 6N + attention FLOPs per token, 16M tokens over 16,384 GPUs at 40 %
+    # of 989 TFLOPS (no recomputation)
+    want = flops_per_token(c, 8192) * 2048 * 8192 / 16384 / (989e12 * 0.4)
+    assert est.time["compute"] == pytest.approx(want)
+    # interleaved 1F1B, v = 2: bubble (p-1)/(v m) = 15/32 of the busy time
+    busy = sum(v for k, v in est.time.items() if k not in ("bubble", "dp"))
+    assert est.time["bubble"] == pytest.approx(15 / 32 * busy)
+
+
+def test_full_recompute_costs_a_forward():
+    run = PUBLISHED_RUNS["llama3-405b"]
+    c = M["llama3-405b"]
+    sel = run.estimate()
+    full = estimate(c, dataclasses.replace(run.layout, recompute="full"), run.cluster,
+                    run.global_batch_tokens, run.seq)
+    assert full.time["compute"] == pytest.approx(4 / 3 * sel.time["compute"])
+    assert full.traffic["tp"] == pytest.approx(1.5 * sel.traffic["tp"])
+    # only each layer's input is kept: 2sbh/t per layer instead of 32sbh/t
+    assert full.memory["activations"] == pytest.approx(
+        sel.memory["activations"] * 2 / 32)
+
+
+def test_dualpipe_hides_ep_and_keeps_two_copies():
+    run = PUBLISHED_RUNS["deepseek-v3"]
+    c, dual = M["deepseek-v3"], run.estimate()
+    plain = estimate(c, dataclasses.replace(run.layout, dualpipe=False), run.cluster,
+                     run.global_batch_tokens, run.seq)
+    assert dual.time["ep"] == 0 < plain.time["ep"]
+    assert plain.time["ep"] == pytest.approx(plain.traffic["ep"] / 50e9)
+    assert dual.memory["params"] == pytest.approx(2 * plain.memory["params"])
+    assert dual.step_time < plain.step_time
+
+
+def test_reasons_name_the_published_placement():
+    llama = PUBLISHED_RUNS["llama3-405b"].estimate().reasons
+    assert any(s.startswith("TP 8 stays inside a node") for s in llama)
+    assert any(s.startswith("PP 16 runs across nodes") for s in llama)
+    assert any("DP 128 is outermost" in s for s in llama)
+    ds = PUBLISHED_RUNS["deepseek-v3"].estimate()
+    assert ds.traffic["tp"] == 0 and ds.traffic["ep"] > 0
+    assert not any(s.startswith("TP") for s in ds.reasons)
+    assert any(s.startswith("EP 64 spans 8 nodes") for s in ds.reasons)
+    assert any("ZeRO-1 DP 128 is outermost" in s for s in ds.reasons)
+
+
+def test_llama3_long_context_splits_the_sequence_across_nodes():
+    run = PUBLISHED_RUNS["llama3-405b-128k"]
+    est, short = run.estimate(), PUBLISHED_RUNS["llama3-405b"].estimate()
+    assert str(run.layout) == "TP 8 · PP 16 · CP 16 · DP 8 (ZeRO-2)"
+    # 131,072 / CP 16 = 8192 tokens per rank: the 8K stage's activations per GPU
+    assert est.memory == pytest.approx(short.memory)
+    # CP all-gathers K and V (8 KV heads x 128 x 2, /TP) of the whole sequence
+    # forward and reduce-scatters their gradients backward, per layer and
+    # micro-batch: 2 x 15/16 x 131072 x 2048 / 8 x 2 bytes x 8 layers x 16
+    assert est.traffic["cp"] == pytest.approx(
+        2 * 15 / 16 * 131072 * 2048 / 8 * 2 * 8 * 16)
+    assert not est.in_node["cp"]
+    assert any(s.startswith("CP 16 splits each sequence across nodes")
+               for s in est.reasons)
+
+
+def test_inter_node_tp_only_when_asked():
+    cl = H100_NODE.__class__(80e9, 8, 4, 450e9, 50e9, 989e12)
+    inside = choose("llama3-8b", cl, 256 * 8192, 8192)
+    assert inside and max(r.layout.tp for r in inside) <= 8
+    wide = choose("llama3-8b", cl, 256 * 8192, 8192, inter_node_tp=True)
+    spanning = [r for r in wide if r.layout.tp == 16]
+    assert spanning and not spanning[0].estimate.in_node["tp"]
+    assert any("TP 16 spans nodes" in s for s in spanning[0].reasons)
+
+
+@pytest.mark.parametrize("layout, message", [
+    (Layout(tp=8, pp=16, dp=256, microbatches=8), "needs 32768 GPUs"),
+    (Layout(tp=3, pp=16, dp=8, microbatches=16), "TP 3 does not divide the 128"),
+    (Layout(pp=127, dp=1, microbatches=127), "PP 127 is more stages"),
+    (Layout(tp=8, pp=16, dp=128, ep=2, microbatches=16), "has no experts"),
+    (Layout(tp=8, pp=16, dp=96, microbatches=1), "do not split over DP 96"),
+])
+def test_impossible_layouts_raise(layout, message):
+    with pytest.raises(ValueError, match=message):
+        estimate(M["llama3-405b"], layout, LLAMA3_CLUSTER, 2048 * 8192, 8192)
+
+
+def test_bad_layout_fields_raise():
+    with pytest.raises(ValueError, match="EP 64 must divide DP 32"):
+        Layout(pp=16, dp=32, ep=64)
+    with pytest.raises(ValueError, match="DualPipe needs an even PP"):
+        Layout(pp=3, dualpipe=True)
+    with pytest.raises(ValueError, match="zero must be"):
+        Layout(zero=4)
+    with pytest.raises(ValueError, match="more than the cluster"):
+        choose("llama3-8b", H100_NODE, 8 * 8192, 8192, max_gpus=16)

@@ -1,0 +1,77 @@
+"""labkit.viz.chooser, headless: move a control, read the table and the chart."""
+
+import pytest
+
+from labkit.theory.layouts import PUBLISHED_RUNS, find
+from labkit.viz.chooser import StrategyChooser, step_time_bars, strategy_chooser
+
+
+def _bar_totals(fig):
+    ax = fig.axes[0]
+    parts = [[p.get_height() for p in c.patches] for c in ax.containers]
+    return [sum(col) for col in zip(*parts)]
+
+
+def _check_agree(w):
+    """Table text, ranking and chart say the same thing."""
+    lines = w.value.splitlines()
+    assert len(lines) == min(w.rows, len(w.last))
+    for line, r in zip(lines, w.last):
+        assert line.split()[0] == str(r.rank) and str(r.layout) in line
+        assert f"{r.step_time:.2f} s" in line
+    bars = _bar_totals(w.figure)
+    top = [r.step_time for r in w.last[:5]]
+    assert bars[:len(top)] == pytest.approx(top)
+    assert len(w.figure.axes[0].get_legend().get_texts()) == 7  # every colour named
+
+
+def test_return_type_is_a_widget():
+    import typing
+
+    assert typing.get_type_hints(strategy_chooser)["return"] is StrategyChooser
+
+
+def test_moving_controls_changes_table_and_chart():
+    w = strategy_chooser(model="gpt3-175b")
+    run = PUBLISHED_RUNS["gpt3-175b"]
+    assert w.nodes.value == run.cluster.nodes and w.cluster().gpus == 1536
+    _check_agree(w)
+    assert "ranks" in w.info.value and "Megatron-LM GPT-3 175B" in w.info.value
+    # on its published cluster the widget's numbers are the calculator's
+    assert w.cluster() == run.cluster.__class__(**{**run.cluster.__dict__,
+                                                   "name": ""})
+    mine = find(w.last, run.layout)
+    assert mine.step_time == pytest.approx(run.estimate().step_time)
+    # the published layout is drawn too, after the five fastest
+    assert len(_bar_totals(w.figure)) == 6
+    before = w.value
+    w.nodes.value = 64  # 512 GPUs: other layouts, other times
+    assert w.cluster().gpus == 512 and w.value != before
+    assert all(r.layout.gpus == 512 for r in w.last)
+    _check_agree(w)
+    # the published 1536-GPU layout cannot be among them, and the text says so
+    assert "is not among" in w.info.value
+    w.gpu_memory.value = 16  # less memory: fewer layouts fit, each within 16 GB
+    assert all(r.estimate.memory_total <= 16e9 for r in w.last)
+    _check_agree(w)
+    slow = w.last[0].step_time
+    w.inter_bw.value = 5  # a slower network can only slow the best layout down
+    assert w.last[0].step_time >= slow
+    _check_agree(w)
+
+
+def test_nothing_fits():
+    w = strategy_chooser(model="gpt3-175b")
+    w.nodes.value = 1
+    assert w.last == [] and w.value == "no layout fits"
+    assert _bar_totals(w.figure) == []
+
+
+def test_step_time_bars_bold_published():
+    run = PUBLISHED_RUNS["gpt3-175b"]
+    from labkit.theory.layouts import choose
+
+    ranked = choose(run.model, run.cluster, run.global_batch_tokens, run.seq)
+    fig = step_time_bars(ranked, published=run.layout, top=3)
+    labels = fig.axes[0].get_xticklabels()
+    assert len(labels) == 4 and labels[-1].get_fontweight() == "bold"
