@@ -288,3 +288,44 @@ def test_fsdp2_all_gathers_and_reduce_scatters_are_recorded():
                 ("reduce_scatter", last, "backward"),
                 ("reduce_scatter", first, "backward")])
             assert t.records[0].module == "0" and t.records[1].module == "2"
+
+
+def _subgroups(rank, world_size):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
+
+    from labkit.ledger import traffic
+
+    evens, odds = dist.new_group([0, 2]), dist.new_group([1, 3])
+    mine = evens if rank % 2 == 0 else odds
+    with traffic() as t:
+        dist.all_reduce(torch.ones(1024), group=mine)
+        dist.all_reduce(torch.ones(256))  # the whole world
+        if rank == 0:
+            dist.send(torch.ones(512), dst=2, group=mine)
+        elif rank == 2:
+            dist.recv(torch.empty(512), src=0, group=mine)
+        fc.all_reduce(torch.ones(2048), "sum", mine).wait()
+    return t
+
+
+def test_each_call_records_the_global_ranks_of_its_group(cluster):
+    for rank, t in enumerate(cluster.run(_subgroups)):
+        pair = (0, 2) if rank % 2 == 0 else (1, 3)
+        p2p = {0: ["send"], 2: ["recv"]}.get(rank, [])
+        assert [r.op for r in t.records] == ["all_reduce", "all_reduce", *p2p,
+                                             "all_reduce"]
+        assert [r.group_ranks for r in t.records] == [pair, (0, 1, 2, 3),
+                                                      *[pair] * len(p2p), pair]
+        assert all(r.group_size == len(r.group_ranks) for r in t.records)
+        groups = t.by_group({"pair": pair})
+        assert set(groups) == {"pair", (0, 1, 2, 3)}
+        row = groups["pair"]
+        assert row["calls"] == 2 + len(p2p)
+        assert row["payload_bytes"] == 4 * (1024 + 2048 + 512 * len(p2p))
+        # sent: wire bytes of the collectives, plus the payload of a send
+        wire = sum(r.wire_bytes for r in t.records
+                   if r.group_ranks == pair and r.op == "all_reduce")
+        assert row["sent"] == wire + (4 * 512 if rank == 0 else 0)
+        assert groups[(0, 1, 2, 3)]["payload_bytes"] == 4 * 256
+        assert pickle.loads(pickle.dumps(t)).records == t.records

@@ -14,8 +14,16 @@ from labkit.ledger.holdings import Holdings, holdings
 from labkit.ledger.memory import CATEGORIES, MemoryLedger, Step, memory
 from labkit.ledger.tagging import count_as, on_host
 from labkit.ledger.timeline import Span, TimelineLedger, overlap_fraction, timeline
-from labkit.ledger.traffic import Record, TrafficLedger, summarize, total, traffic
+from labkit.ledger.traffic import (
+    Record,
+    TrafficLedger,
+    by_group,
+    summarize,
+    total,
+    traffic,
+)
 
 __all__ = ["CATEGORIES", "Holdings", "MemoryLedger", "Record", "Step",
            "Span", "TimelineLedger", "TrafficLedger", "count_as", "holdings", "memory",
            "on_host", "overlap_fraction", "summarize", "timeline", "total", "traffic"]
+__all__ += ["by_group"]

@@ -50,6 +50,9 @@ class Record:
     phase: str
     module: str | None
     rank: int
+    # the global ranks of the group the call travelled in, in the group's order
+    # (so a 3D run can tell its tensor-, pipeline- and data-parallel bytes apart)
+    group_ranks: tuple[int, ...] = ()
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -110,16 +113,33 @@ def _classify(func):
     return ns, name, (table[name] if table and name in table else None)
 
 
-def _group_size(ns: str, args) -> int:
+def _group(ns: str, args) -> tuple[int, tuple[int, ...]]:
+    """The size of the group a call travels in, and its members' global ranks."""
+    pg = None
     if ns == "c10d":
         for a in args:
             if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
-                return dist.ProcessGroup.unbox(a).size()
-        return dist.get_world_size()
-    for a in reversed(args):  # functional ops name their group last
-        if isinstance(a, str):
-            return dist.distributed_c10d._resolve_process_group(a).size()
-    return dist.get_world_size()
+                pg = dist.ProcessGroup.unbox(a)
+                break
+    else:
+        for a in reversed(args):  # functional ops name their group last
+            if isinstance(a, str):
+                pg = dist.distributed_c10d._resolve_process_group(a)
+                break
+    if pg is None:
+        return dist.get_world_size(), tuple(range(dist.get_world_size()))
+    return pg.size(), _members(pg)
+
+
+def _members(pg) -> tuple[int, ...]:
+    """Global ranks of `pg`, in its own rank order (empty if c10d does not know it:
+    a group it did not create)."""
+    try:
+        return tuple(dist.get_process_group_ranks(pg))
+    except (ValueError, KeyError, RuntimeError):
+        by_name = {g.group_name: g for g in dist.distributed_c10d._world.pg_map}
+        g = by_name.get(pg.group_name)
+        return tuple(dist.get_process_group_ranks(g)) if g is not None else ()
 
 
 def _wait(ns: str, res) -> None:
@@ -203,7 +223,7 @@ class TrafficLedger(Ledger, TorchDispatchMode):
         if kind is None:
             return func(*args, **kwargs)
         op, arg, times_n = kind
-        n = _group_size(ns, args)
+        n, members = _group(ns, args)
         payload = _tensors(args[arg]) if arg is not None and arg < len(args) else []
         elements = sum(t.numel() for t in payload) * (n if times_n else 1)
         nbytes = sum(t.numel() * t.element_size() for t in payload) * (n if times_n
@@ -230,7 +250,7 @@ class TrafficLedger(Ledger, TorchDispatchMode):
             wire_bytes=(w1 - w0) if wire else None,
             seconds=t1 - t0, start=t0, complete=not p2p, phase=self._current_phase(),
             module=self._module_stack[-1] if self._module_stack else None,
-            rank=self.rank,
+            rank=self.rank, group_ranks=members,
         ))
         return res
 
@@ -245,6 +265,15 @@ class TrafficLedger(Ledger, TorchDispatchMode):
 
     def by_phase(self) -> dict[str, dict[str, float]]:
         return summarize(self.records, "phase")
+
+    def by_group(self, names: dict[str, tuple[int, ...]] | None = None
+                 ) -> dict[tuple[int, ...] | str, dict[str, float]]:
+        """Totals per group the calls travelled in, keyed by the group's global
+        ranks; with `names` ({"tp": (0, 1), "dp": (0, 4), ...}, e.g. from
+        ParallelGroups) keyed by name instead, and a group not named keeps its
+        ranks as key. Sends count their payload as `sent`: a point-to-point
+        call is not waited for, so its `wire_bytes` is unknown."""
+        return by_group(self.records, names)
 
     def __repr__(self) -> str:
         return (f"TrafficLedger(rank={self.rank}, {len(self.records)} calls, "
@@ -268,6 +297,26 @@ def total(records, field: str = "wire_bytes", **where) -> float:
         raise ValueError(f"field must be one of {FIELDS}, not {field!r}")
     return sum(getattr(r, field) or 0 for r in records
                if all(getattr(r, k) == v for k, v in where.items()))
+
+
+def by_group(records, names: dict[str, tuple[int, ...]] | None = None
+             ) -> dict[tuple[int, ...] | str, dict[str, float]]:
+    """`TrafficLedger.by_group` over any records: summarize by `group_ranks`,
+    plus `sent`, the bytes this rank sent: wire bytes of a collective (its bus
+    bytes where the wire is unknown), the payload of a send, 0 for a recv."""
+    label = {tuple(v): k for k, v in (names or {}).items()}
+    out = summarize(records, "group_ranks")
+    for key, row in out.items():
+        row["sent"] = sum(_sent(r) for r in records if r.group_ranks == key)
+    return {label.get(k, k): v for k, v in out.items()}
+
+
+def _sent(r: Record) -> float:
+    if r.op == "send":
+        return r.payload_bytes
+    if r.op == "recv":
+        return 0
+    return r.wire_bytes if r.wire_bytes is not None else r.bus_bytes
 
 
 def summarize(records, key: str) -> dict[str, dict[str, float]]:

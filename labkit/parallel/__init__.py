@@ -14,7 +14,8 @@ their f, g and sequence all-gather/reduce-scatter as autograd functions),
 sequence_parallel (LayerNorm and dropout on sequence shards), ring_attention
 (context parallelism), pipeline_parallel (PipelineParallel: layers cut into stages
 over a process group, GPipe and 1F1B, spans and measured bubble), pipeline_schedules
-(each stage's order for GPipe, 1F1B, interleaved and ZB-H1; simulate_schedule).
+(each stage's order for GPipe, 1F1B, interleaved and ZB-H1; simulate_schedule),
+three_d (DP x PP x TP of a tiny GPT on a rank grid).
 """
 
 from labkit.parallel.checkpointing import (
@@ -35,6 +36,7 @@ from labkit.parallel.pipeline_schedules import simulate_schedule, stage_order
 from labkit.parallel.precision import MasterWeights
 from labkit.parallel.ring_attention import ring_attention
 from labkit.parallel.sequence_parallel import ParallelTransformerLayer, TransformerLayer
+from labkit.parallel.three_d import ThreeD, TinyGPT, lm_loss, stage_layers
 from labkit.parallel.tensor_parallel import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -51,3 +53,4 @@ __all__ += ["ColumnParallelLinear", "ParallelGroups", "ParallelMLP",
             "ParallelSelfAttention", "ParallelTransformerLayer", "RowParallelLinear",
             "TransformerLayer", "grid", "ring_attention"]
 __all__ += ["PipelineParallel", "bubble_fractions", "simulate_schedule", "stage_order"]
+__all__ += ["ThreeD", "TinyGPT", "lm_loss", "stage_layers"]

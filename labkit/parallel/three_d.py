@@ -1,0 +1,191 @@
+"""3D parallelism (三维并行): data, pipeline and tensor parallelism at once, over
+the rank grid of `ParallelGroups` (Narayanan et al. 2021, "Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM", sec. 2 and 3).
+
+    g = ParallelGroups.build(tp=2, pp=2, dp=2)          # 8 ranks, tp innermost
+    torch.manual_seed(0); model = TinyGPT(vocab=64, seq=16, hidden=32, heads=4)
+    run = ThreeD(model, g, microbatches=2)              # this rank's part of it
+    opt = torch.optim.SGD(run.parameters(), lr=0.1)
+    opt.zero_grad(); loss = run.step(tokens, targets); opt.step()
+
+Each rank keeps one stage (pipeline group) of the model's layers, and of every
+transformer block in it 1/tp of the attention heads and MLP columns (tensor group,
+Megatron's split); embedding, LayerNorms and head stay whole on the tensor ranks
+of their stage. `step` takes the global batch, keeps this rank's 1/dp of its
+rows, runs the pipeline schedule over its micro-batches, then averages the
+stage's gradients over the data-parallel group in one all-reduce of all of them
+(flattened). Every byte so travels in exactly one of the three groups:
+- tp: 2 all-reduces forward and 2 backward of b·s·h per block and micro-batch;
+- pp: one activation b·s·h forward and its gradient back per micro-batch and
+  stage boundary (each tensor rank sends its own copy);
+- dp: one all-reduce of this rank's gradient shard, 2(dp-1)/dp of it per rank.
+
+`TinyGPT` is the single-process reference (an nn.Sequential: embedding, blocks,
+head); `stage_layers(model, groups)` is this rank's part of any TinyGPT, under the
+same names, so a test compares every weight after training with one process.
+Layout: (batch, seq, hidden); the attention runs on (seq, batch, hidden) inside.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.parallel.pipeline_parallel import PipelineParallel, split_layers
+from labkit.parallel.tensor_parallel import (
+    MLP,
+    ParallelMLP,
+    ParallelSelfAttention,
+    SelfAttention,
+)
+
+__all__ = ["Block", "Embedding", "Head", "ParallelBlock", "ThreeD", "TinyGPT",
+           "lm_loss", "stage_layers"]
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding: (b, s) token ids -> (b, s, h)."""
+
+    def __init__(self, vocab: int, seq: int, hidden: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
+
+    def forward(self, ids):
+        return self.tok(ids) + self.pos.weight[: ids.shape[1]]
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block in one process: (b, s, h) -> (b, s, h)."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.attn, self.mlp = SelfAttention(hidden, heads), MLP(hidden, 4 * hidden)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x).transpose(0, 1)).transpose(0, 1)
+        return x + self.mlp(self.ln2(x))
+
+
+class ParallelBlock(Block):
+    """The same block with its attention heads and MLP split over the tensor
+    group: f before each column-parallel layer (identity forward, all-reduce
+    backward), g after each row-parallel one (all-reduce forward)."""
+
+    def __init__(self, block: Block, group):
+        nn.Module.__init__(self)
+        self.ln1, self.ln2 = _copy(block.ln1), _copy(block.ln2)
+        self.attn = ParallelSelfAttention.from_attention(block.attn, group)
+        self.mlp = ParallelMLP.from_mlp(block.mlp, group)
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the output projection: (b, s, h) -> (b, s, vocab)."""
+
+    def __init__(self, hidden: int, vocab: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(hidden)
+        self.out = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x):
+        return self.out(self.ln(x))
+
+
+class TinyGPT(nn.Sequential):
+    """Embedding, `layers` blocks, head: layers + 2 modules in a row, which a
+    pipeline cuts into stages ("0" is the embedding, "layers + 1" the head)."""
+
+    def __init__(self, vocab: int = 64, seq: int = 16, hidden: int = 32,
+                 heads: int = 4, layers: int = 2):
+        super().__init__(Embedding(vocab, seq, hidden),
+                         *(Block(hidden, heads) for _ in range(layers)),
+                         Head(hidden, vocab))
+        self.vocab, self.seq, self.hidden = vocab, seq, hidden
+        self.heads, self.n_blocks = heads, layers
+
+
+def lm_loss(logits, targets):
+    """Next-token cross entropy, the mean over every position: (b, s, V), (b, s)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _copy(module: nn.Module) -> nn.Module:
+    return copy.deepcopy(module)
+
+
+def stage_layers(model: TinyGPT, groups, balance=None) -> list[nn.Module]:
+    """All of `model`'s modules, this rank's stage (by groups.pp_rank) made
+    parallel over groups.tp_group (blocks) or copied (embedding, head); the other
+    stages' modules are left as they are (the pipeline drops them)."""
+    lo, hi = split_layers(len(model), groups.pp_size, balance)[groups.pp_rank]
+    out = list(model)
+    for i in range(lo, hi):
+        m = model[i]
+        out[i] = ParallelBlock(m, groups.tp_group) if isinstance(m, Block) else _copy(m)
+    return out
+
+
+class ThreeD(nn.Module):
+    """This rank's part of `model` under data x pipeline x tensor parallelism (see
+    the module's docstring). `step(tokens, targets)` runs one training step's
+    forward and backward over the global batch and leaves the averaged gradients
+    in `.grad`; it returns the loss of this rank's data shard on the last stage
+    (the mean over its micro-batches), None elsewhere."""
+
+    def __init__(self, model: TinyGPT, groups, *, microbatches: int,
+                 schedule: str = "1f1b", balance=None):
+        super().__init__()
+        if model.heads % groups.tp_size:
+            raise ValueError(f"heads = {model.heads} cannot be split over tp = "
+                             f"{groups.tp_size} ranks: each needs whole heads")
+        self.groups = groups
+        self.pipe = PipelineParallel(stage_layers(model, groups, balance),
+                                     microbatches=microbatches, loss_fn=lm_loss,
+                                     schedule=schedule, group=groups.pp_group,
+                                     balance=balance)
+
+    @property
+    def module(self) -> nn.Sequential:
+        """This stage's layers, under their names in the whole model."""
+        return self.pipe.module
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("ThreeD runs whole steps: call run.step(tokens, targets)")
+
+    def shard(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the global batch: the dp_rank-th of dp equal parts."""
+        g, m = self.groups, self.pipe.microbatches
+        if batch.shape[0] % (g.dp_size * m):
+            raise ValueError(f"a global batch of {batch.shape[0]} rows cannot be "
+                             f"split over dp = {g.dp_size} ranks x {m} "
+                             f"micro-batches: it must be a multiple of "
+                             f"{g.dp_size * m}")
+        return batch.tensor_split(g.dp_size)[g.dp_rank]
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor):
+        loss = self.pipe.step(self.shard(tokens), self.shard(targets))
+        self.sync_gradients()
+        return loss
+
+    def sync_gradients(self) -> None:
+        """Average the stage's gradients over the data-parallel group: one
+        all-reduce of all of them, flattened (one bucket)."""
+        g = self.groups
+        if g.dp_size == 1:
+            return
+        params = [p for p in self.parameters() if p.grad is not None]
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=g.dp_group)
+        flat /= g.dp_size
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p))
+            offset += n
+
+    def extra_repr(self) -> str:
+        return f"{self.groups}: {self.groups.coords()}"
