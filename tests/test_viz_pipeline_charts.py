@@ -76,7 +76,7 @@ def test_measured_timeline_draws_every_span():
         for kind in ("forward", "backward", "send", "recv"):
             n = sum(e.name.startswith(kind) for e in evs)
             assert len(bars[f"{rank}:{kind}"]) == n, (rank, kind)
-    # ms since the first span; idle = the window 0-91 ms minus each stage's passes
+    # ms since the first pass; idle = the window 0-91 ms minus each stage's passes
     assert bars["0:forward"] == [(0.0, 10.0), (11.0, 21.0)]
     assert bars["0:idle"] == [(10.0, 11.0), (21.0, 50.0), (70.0, 71.0)]
     assert bars["1:idle"] == [(0.0, 11.0), (21.0, 22.0), (50.0, 51.0), (70.0, 91.0)]
@@ -86,9 +86,28 @@ def test_measured_timeline_draws_every_span():
     labels = sorted(t.get_text() for t in ax.texts)
     assert labels == ["0"] * 4 + ["1"] * 4  # each pass's micro-batch
     # stage 0 computed 60 of 91 ms, stage 1 57
-    assert ax.get_title() == "GPipe: idle 34%, 37% by stage (a timing)"
+    assert ax.get_title() == "GPipe: idle 34% on stage 0, 37% on stage 1 (a timing)"
     assert [t.get_text() for t in ax.get_yticklabels()] == ["stage 0", "stage 1"]
     _inside(fig)
+
+
+def test_measured_timeline_counts_from_the_first_pass():
+    # stage 1 posted its receive 0.2 s before the step's first pass (it finished the
+    # previous step first): drawn from the first pass, not stretching the axis
+    events = _events()
+    events[1][0] = Span("comm", "recv activation 0", 9.800, 10.011, 64)
+    events[0].insert(0, Span("comm", "recv gradient 9", 9.500, 9.600, 64))
+    ax = pipeline_timeline(events).axes[0]
+    bars = _bars(ax)
+    assert bars["1:recv"][0] == (0.0, 11.0)
+    assert len(bars["0:recv"]) == 2  # the one that ended before the step is left out
+    assert ax.get_xlim()[0] > -2 and ax.get_xlabel() == "ms since the first pass began"
+    assert bars["0:forward"] == [(0.0, 10.0), (11.0, 21.0)]
+
+
+def test_measured_timeline_without_passes_raises():
+    with pytest.raises(ValueError, match="no compute spans"):
+        pipeline_timeline({0: [Span("comm", "recv activation 0", 1.0, 2.0, 64)]})
 
 
 def test_measured_timelines_stack_runs_on_one_axis():
@@ -97,7 +116,7 @@ def test_measured_timelines_stack_runs_on_one_axis():
     assert [ax.get_title().split(":")[0] for ax in fig.axes] == ["GPipe", "short"]
     assert fig.axes[1].get_xlim()[1] >= 91.0  # the longer run fits
     assert fig.axes[0].get_legend() is not None and fig.axes[1].get_legend() is None
-    assert fig.axes[1].get_xlabel() == "ms since the run's first span began"
+    assert fig.axes[1].get_xlabel() == "ms since each run's first pass began"
     _inside(fig)
 
 

@@ -126,33 +126,38 @@ def pipeline_timeline(events, *, ax=None, title: str = "", legend: bool = True
     "backward i", comm "send ... i" / "recv ... i". Forward and backward bars carry
     their micro-batch number; idle time between the first pass that started and
     the last that ended (any rank) is hatched; receives (posted to arrived) and
-    sends (posted to done) are thin bars below. The title gives each stage's bubble."""
+    sends (posted to done) are thin bars below. Time counts from the first pass: a
+    receive posted earlier (during the previous step) is drawn from there. The
+    title gives each stage's bubble."""
     from labkit.parallel.pipeline_parallel import bubble_fractions
 
     ranks = _per_rank(events)
     compute = [s for evs in ranks.values() for s in evs if s.kind == "compute"]
-    origin = min((s.start for evs in ranks.values() for s in evs), default=0.0)
-    ms = lambda t: 1e3 * (t - origin)  # noqa: E731
+    if not compute:
+        raise ValueError("no compute spans: nothing ran")
+    origin = min(s.start for s in compute)  # the step's first pass
+    ms = lambda t: 1e3 * (max(t, origin) - origin)  # noqa: E731
     lanes, comm = {}, {}
     for rank, evs in ranks.items():
         lanes[rank] = [(ms(s.start), ms(s.end), *_span_kind(s), 0)
                        for s in evs if s.kind == "compute"]
         comm[rank] = [(ms(s.start), ms(s.end), _span_kind(s)[0])
-                      for s in evs if s.kind == "comm"]
+                      for s in evs if s.kind == "comm" and s.end > origin]
     window = (ms(min(s.start for s in compute)), ms(max(s.end for s in compute)))
     fig, ax = _axes(ax, (9, 0.9 + 0.75 * len(ranks)))
     _draw(ax, lanes, comm, window, legend=legend)
     bubbles = bubble_fractions(list(ranks.values()))
     head = f"{title}: " if title else ""
-    ax.set_title(f"{head}idle " + ", ".join(f"{b:.0%}" for b in bubbles)
-                 + " by stage (a timing)", fontsize=10)
-    ax.set_xlabel("ms since the first span began")
+    ax.set_title(f"{head}idle " + ", ".join(f"{b:.0%} on stage {r}" for r, b in
+                                           zip(ranks, bubbles))
+                 + " (a timing)", fontsize=10)
+    ax.set_xlabel("ms since the first pass began")
     return fig
 
 
 def pipeline_timelines(runs: dict, *, title: str = "") -> Figure:
     """pipeline_timeline for each run (name -> rank -> spans), stacked, on one
-    time axis (each panel from its own first span); the legend on the top one."""
+    time axis (each panel from its own first pass); the legend on the top one."""
     n = sum(len(_per_rank(v)) for v in runs.values())
     fig = LabFigure(figsize=(10, 0.9 * len(runs) + 0.5 * n), layout="constrained")
     axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False)[:, 0]
@@ -162,7 +167,7 @@ def pipeline_timelines(runs: dict, *, title: str = "") -> Figure:
         lims.append(ax.get_xlim())
         ax.set_xlabel("")
     axes[0].set_xlim(min(a for a, _ in lims), max(b for _, b in lims))  # fit all
-    axes[-1].set_xlabel("ms since the run's first span began")
+    axes[-1].set_xlabel("ms since each run's first pass began")
     if title:
         fig.suptitle(title)
     return fig
