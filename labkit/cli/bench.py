@@ -168,6 +168,22 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def interleaved_medians(world_size: int, worker, names, rounds: int, steps: int
+                        ) -> dict[str, float]:
+    """{name: median over rounds of the slowest rank's `worker(rank, n, name,
+    steps)` seconds}. Each round runs every name once, in alternating order, so
+    a slow stretch of a shared machine falls on all of them alike."""
+    import labkit
+
+    seconds: dict[str, list[float]] = {k: [] for k in names}
+    with labkit.Cluster(world_size, timeout=600) as c:
+        for r in range(rounds):
+            _progress(f"round {r + 1} of {rounds}")
+            for name in list(names)[::-1] if r % 2 else names:
+                seconds[name].append(max(c.run(worker, name, steps)))
+    return {k: statistics.median(v) for k, v in seconds.items()}
+
+
 def _progress(msg: str) -> None:
     print(f"  … {msg}", file=sys.stderr, flush=True)
 

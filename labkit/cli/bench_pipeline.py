@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from labkit.cli.bench import Row
+from labkit.cli.bench import Row, interleaved_medians
 
 TARGET = 1.2  # labkit's step / PyTorch's, at most
 NAMES = ("PipelineParallel 1F1B", "torch Schedule1F1B")
@@ -75,18 +75,11 @@ def _time_steps(rank, world_size, name: str, steps: int) -> float:
 def bench_pipeline(world_size: int = 2, rounds: int = 5, steps: int = 10) -> list[Row]:
     """Rows: each implementation's step (median over rounds of the slowest rank's
     median step) and labkit's over PyTorch's, with its target."""
-    import labkit
-
     print(f"labkit bench pipeline: {world_size} stages, {os.cpu_count()} cores, "
           f"{BLOCKS} x MLP({WIDTH} -> {HIDDEN} -> {WIDTH}), batch {BATCH} in "
           f"{MICRO} micro-batches, 1F1B (step times are timings)")
-    seconds: dict[str, list[float]] = {k: [] for k in NAMES}
-    with labkit.Cluster(world_size, timeout=600) as c:
-        for r in range(rounds):  # interleaved: each round runs both once, the
-            print(f"  … round {r + 1} of {rounds}", flush=True)  # order alternating
-            for name in NAMES[::-1] if r % 2 else NAMES:
-                seconds[name].append(max(c.run(_time_steps, name, steps)))
-    return pipeline_rows({k: statistics.median(v) for k, v in seconds.items()})
+    return pipeline_rows(interleaved_medians(world_size, _time_steps, NAMES, rounds,
+                                             steps))
 
 
 def pipeline_rows(step_s: dict[str, float]) -> list[Row]:

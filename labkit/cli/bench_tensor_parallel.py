@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from labkit.cli.bench import Row
+from labkit.cli.bench import Row, interleaved_medians
 
 TARGET = 1.2  # ParallelMLP / DTensor MLP, step time
 HIDDEN, FFN, SEQ, BATCH = 1024, 4096, 64, 4  # 8.4 M parameters; x is (64, 4, 1024)
@@ -68,19 +68,11 @@ def bench_tensor_parallel(world_size: int = 2, rounds: int = 5, steps: int = 10
                           ) -> list[Row]:
     """Rows: each MLP's step time (median over rounds of the slowest rank's
     median), and their ratio with its target (≤ 1.2)."""
-    import labkit
-
     print(f"labkit bench tensor parallel: {world_size} ranks, {os.cpu_count()} "
           f"cores, MLP {HIDDEN} -> {FFN} -> {HIDDEN} on x ({SEQ}, {BATCH}, "
           f"{HIDDEN}), SGD (step times are timings)")
-    seconds: dict[str, list[float]] = {k: [] for k in NAMES}
-    with labkit.Cluster(world_size, timeout=600) as c:
-        for r in range(rounds):  # interleaved: each round runs both once, the
-            print(f"  … round {r + 1} of {rounds}", flush=True)  # order alternating
-            for name in NAMES[::-1] if r % 2 else NAMES:
-                seconds[name].append(max(c.run(_time_steps, name, steps)))
-    return tensor_parallel_rows({k: statistics.median(v)
-                                 for k, v in seconds.items()})
+    return tensor_parallel_rows(interleaved_medians(world_size, _time_steps, NAMES,
+                                                    rounds, steps))
 
 
 def tensor_parallel_rows(step_s: dict[str, float]) -> list[Row]:
