@@ -1,5 +1,6 @@
 """`python -m labkit ...`: doctor | bench cluster|ring|strategies|model-parallel |
-launch FILE.py:FN | images | clean-notebooks FILES... | student [--run]
+launch FILE.py:FN [ARG...] [--results DIR] | export NOTEBOOK --out FILE.py |
+results DIR... [--chart DIR] | images | clean-notebooks FILES... | student [--run]
 (one module per command)."""
 
 from __future__ import annotations
@@ -33,9 +34,23 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("images", help="draw the course's diagrams into images/")
     la = sub.add_parser("launch", help="run FILE.py:FUNCTION under torchrun")
     la.add_argument("target", help="FILE.py:FUNCTION or module:FUNCTION")
+    la.add_argument("args", nargs="*", help="fn's arguments after (rank, "
+                    "world_size): Python literals, else strings")
     la.add_argument("--nproc", type=int, default=2, help="processes on this machine")
+    la.add_argument("--results", default=None,
+                    help="folder: every rank writes what fn returned to rank{r}.pt")
     la.add_argument("--torchrun", nargs="...", default=[],
                     help="everything after this goes to torchrun")
+    ex = sub.add_parser("export", help="a notebook's imports, constants and "
+                        "functions as an importable module (for torchrun)")
+    ex.add_argument("notebook")
+    ex.add_argument("--out", required=True, help="the module to write (FILE.py)")
+    rs = sub.add_parser("results", help="merge a torchrun run's rank*.pt files in "
+                        "rank order and summarize them")
+    rs.add_argument("dirs", nargs="+", help="the --results folder(s), one per node "
+                    "without a shared file system")
+    rs.add_argument("--chart", default=None,
+                    help="folder: draw the ledgers the ranks returned as PNGs")
     c = sub.add_parser("clean-notebooks",
                        help="strip outputs and execution counts; mark slides")
     c.add_argument("paths", nargs="+")
@@ -67,10 +82,19 @@ def main(argv: list[str] | None = None) -> int:
         from labkit.runtime.launch import launch
 
         try:
-            return launch(args.target, args.nproc, args.torchrun)
+            return launch(args.target, args.nproc, args.torchrun, args.args,
+                          args.results)
         except ValueError as e:
             print(f"labkit launch: {e}", file=sys.stderr)
             return 2
+    if args.cmd == "export":
+        from labkit.cli.export import export
+
+        return export(args.notebook, args.out)
+    if args.cmd == "results":
+        from labkit.runtime.results_io import results_command
+
+        return results_command(args.dirs, args.chart)
     if args.cmd == "images":
         from labkit.cli.images import render
 

@@ -4,13 +4,15 @@
 already imported (forkserver.py) and the loop each rank runs (rank.py), the typed
 messages between kernel, forkserver and ranks (messages.py) over length-prefixed
 frames (wire.py), results and errors (results.py), `%%ranks` (magics.py), and
-`launch` under torchrun (launch.py). Imports only labkit.units and the standard
+`launch` under torchrun (launch.py) and the per-rank result files it writes and
+`load_results` merges (results_io.py). Imports only labkit.units and the standard
 library, torch and cloudpickle.
 """
 
 from labkit.runtime.cluster import Cluster, default_cluster, run
 from labkit.runtime.progress import progress
 from labkit.runtime.results import CollectiveTimeout, RankError, RankResults
+from labkit.runtime.results_io import ResultsError, load_results
 
 __all__ = ["Cluster", "CollectiveTimeout", "RankError", "RankResults",
-           "default_cluster", "progress", "run"]
+           "ResultsError", "default_cluster", "load_results", "progress", "run"]

@@ -1,20 +1,35 @@
 """`python -m labkit launch FILE.py:FUNCTION --nproc N`: run a chapter's worker
 function under torchrun, unchanged, on a real machine or a cluster.
 
-The same `fn(rank, world_size)` that `cluster.run` calls in a notebook is called
-here in every torchrun process, after `init_process_group` (NCCL with one GPU per
-local rank, else gloo). Rank 0 prints what every rank's `fn` returned, in rank
-order.
+The same `fn(rank, world_size, *args)` that `cluster.run` calls in a notebook is
+called here in every torchrun process, after `init_process_group` (NCCL with one
+GPU per local rank, else gloo). Rank 0 prints what every rank's `fn` returned, in
+rank order; with `--results DIR` every rank also writes it to `DIR/rank{r}.pt`
+(merged by `python -m labkit results DIR` or `load_results(DIR)`).
 Extra torchrun options (--nnodes, --rdzv-endpoint, ...) go after `--torchrun`.
+
+On many nodes, run torchrun yourself on each node (`python -m labkit.launch` is
+this module's `_main`):
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29500 -m labkit.launch \\
+        build/workers/07_fsdp.py:train FSDP --results runs/fsdp
+
+Each ARG after the target is read as a Python literal (`4`, `'FSDP'`, `(2, 3)`),
+else kept as a string (`FSDP`).
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import importlib
 import importlib.util
 import os
+import reprlib
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -40,41 +55,107 @@ def load(target: str):
     return fn
 
 
-def launch(target: str, nproc: int, torchrun_args: list[str]) -> int:
+def parse_args(words) -> tuple:
+    """Command-line words -> fn's extra arguments (literals, else strings)."""
+    out = []
+    for w in words:
+        try:
+            out.append(ast.literal_eval(w))
+        except (ValueError, SyntaxError):
+            out.append(w)
+    return tuple(out)
+
+
+def launch(target: str, nproc: int, torchrun_args: list[str], args=(),
+           results: str | None = None) -> int:
     """Start torchrun, which starts this module's `_main` in every process."""
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     load(target)  # fail here, once, rather than in every process
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           *torchrun_args, "-m", "labkit.runtime.launch", target]
+           *torchrun_args, "-m", "labkit.runtime.launch", target, *args]
+    if results is not None:
+        cmd += ["--results", str(results)]
     if not any(a.startswith(("--rdzv", "--master", "--nnodes")) for a in torchrun_args):
         cmd[3:3] = ["--standalone"]  # one machine: a free local port, no setup
     return subprocess.call(cmd)
 
 
-def _main(target: str) -> int:
+def _short(value) -> str:
+    r = reprlib.Repr()
+    r.maxstring, r.maxother, r.maxlist, r.maxdict = 200, 200, 8, 8
+    return r.repr(value)
+
+
+def _init() -> None:
     import torch
     import torch.distributed as dist
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_size:
-        torch.cuda.set_device(local)
-        dist.init_process_group("cpu:gloo,cuda:nccl")
+        torch.cuda.set_device(local)  # one GPU per rank on this node
+        dist.init_process_group("cpu:gloo,cuda:nccl")  # CPU tensors keep working
     else:
         dist.init_process_group("gloo")
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import torch.distributed as dist
+
+    p = argparse.ArgumentParser(prog="python -m labkit.launch")
+    p.add_argument("target", help="FILE.py:FUNCTION or module:FUNCTION")
+    p.add_argument("args", nargs="*", help="fn's arguments after (rank, world_size)")
+    p.add_argument("--results", default=None,
+                   help="folder: every rank writes what fn returned to rank{r}.pt")
+    a = p.parse_args(argv)
+    args = parse_args(a.args)
+    _init()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "") + ":" + os.environ.get(
+        "TORCHELASTIC_RESTART_COUNT", "0")
     try:
-        fn = load(target)
-        out = fn(dist.get_rank(), dist.get_world_size())
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, out)  # printed in rank order, by rank 0
-        if dist.get_rank() == 0:
-            for r, value in enumerate(everyone):
-                print(f"[rank {r}] {value!r}", flush=True)
+        fn = load(a.target)
+        t0 = time.perf_counter()
+        try:
+            out = fn(rank, world_size, *args)
+        except BaseException as e:
+            if a.results is not None:
+                from labkit.runtime.results_io import save_rank_result
+
+                save_rank_result(a.results, rank, world_size, error=e,
+                                 target=a.target, args=args, run_id=run_id)
+            raise
+        seconds = time.perf_counter() - t0
+        if a.results is not None:
+            from labkit.runtime.results_io import save_rank_result
+
+            save_rank_result(a.results, rank, world_size, out, seconds=seconds,
+                             target=a.target, args=args, run_id=run_id)
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, _short(out))  # printed in rank order, by 0
+        if rank == 0:
+            for r, text in enumerate(everyone):
+                print(f"[rank {r}] {text}", flush=True)
+            if a.results is not None:
+                print(f"results: {a.results}/rank{{0..{world_size - 1}}}.pt "
+                      f"(python -m labkit results {a.results})", flush=True)
+        dist.barrier()  # every rank is done with every collective before teardown
     finally:
         dist.destroy_process_group()
     return 0
 
 
+def main(argv: list[str] | None = None) -> None:
+    """What each torchrun process runs. After a clean finish it leaves with
+    os._exit: gloo's threads can abort the process (SIGABRT) while the interpreter
+    shuts down, which torchrun would report as a failed rank and, on several nodes,
+    leave the other agents waiting at their exit barrier."""
+    code = _main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1]))
+    main()

@@ -1,0 +1,224 @@
+"""What a torchrun run gives back, as `cluster.run` gives it in a notebook.
+
+Under `labkit.launch ... --results DIR` every rank writes `DIR/rank{r}.pt`: what
+its `fn` returned (CUDA tensors moved to the CPU; ledgers pickle their data, never
+their hooks), with the run's id, world size, host and seconds in `fn`.
+`load_results(DIR)` merges the files in rank order into a `RankResults` (its
+`.values` is what `cluster.run(fn).values` would be); `python -m labkit results DIR`
+prints a summary and, with `--chart`, draws the ledgers it finds.
+
+On several nodes without a shared file system each node writes its own ranks'
+files: copy them into one folder, or pass every node's folder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import reprlib
+import socket
+import traceback
+from pathlib import Path
+
+from labkit.runtime.results import RankResults
+
+_NAME = re.compile(r"rank(\d+)\.pt$")
+
+
+class ResultsError(ValueError):
+    """The result files are missing, stale (from another run) or not labkit's."""
+
+
+def save_rank_result(directory, rank: int, world_size: int, value=None, *,
+                     error: BaseException | None = None, seconds: float = 0.0,
+                     target: str = "", args: tuple = (), run_id: str = "") -> Path:
+    """Write one rank's result (or its error) to DIR/rank{rank}.pt, atomically."""
+    import cloudpickle
+    import torch
+
+    from labkit.runtime.rank import _to_cpu
+
+    record = {"labkit_result": 1, "rank": rank, "world_size": world_size,
+              "run_id": run_id, "target": target, "args": tuple(args),
+              "host": socket.gethostname(), "seconds": seconds,
+              "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
+              "value": None if error is not None else _to_cpu(value),
+              "error": None if error is None else
+              "".join(traceback.format_exception(error))}
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"rank{rank}.pt"
+    tmp = directory / f".rank{rank}.pt.{os.getpid()}.tmp"
+    try:
+        # cloudpickle: classes defined in the worker module travel by value
+        torch.save(record, tmp, pickle_module=cloudpickle)
+    except Exception as e:  # noqa: BLE001
+        record["value"], record["error"] = None, (
+            f"rank {rank}'s result could not be saved: {type(e).__name__}: {e}")
+        torch.save(record, tmp, pickle_module=cloudpickle)
+    os.replace(tmp, path)
+    return path
+
+
+def read_records(*directories) -> dict[int, dict]:
+    """rank -> record, from every DIR/rank{r}.pt (later folders win on a clash)."""
+    import torch
+
+    found: dict[int, dict] = {}
+    for d in directories:
+        d = Path(d)
+        if not d.is_dir():
+            raise ResultsError(f"no such folder: {d}")
+        for path in sorted(d.iterdir()):
+            m = _NAME.fullmatch(path.name)
+            if not m:
+                continue
+            rec = torch.load(path, map_location="cpu", weights_only=False)
+            if not isinstance(rec, dict) or rec.get("labkit_result") != 1:
+                raise ResultsError(f"{path} is not a labkit result file")
+            if rec["rank"] != int(m.group(1)):
+                raise ResultsError(f"{path} holds rank {rec['rank']}'s result")
+            found[rec["rank"]] = rec
+    if not found:
+        raise ResultsError("no rank*.pt files in " + ", ".join(map(str, directories)))
+    return found
+
+
+def merge(records: dict[int, dict]) -> dict[int, dict]:
+    """The records of one run, every rank 0..world_size-1; else ResultsError."""
+    if 0 not in records:
+        raise ResultsError(f"no result for rank 0 (found ranks {sorted(records)})")
+    first = records[0]
+    n, run = first["world_size"], first["run_id"]
+    missing = [r for r in range(n) if r not in records]
+    if missing:
+        raise ResultsError(f"rank 0 says world_size={n}, but there is no result for "
+                           f"rank(s) {missing}: did every node write its files "
+                           "here, and are they copied into one folder?")
+    stale = [r for r in range(n) if (records[r]["run_id"], records[r]["world_size"])
+             != (run, n)]
+    if stale:
+        raise ResultsError(f"rank(s) {stale} come from another run than rank 0 "
+                           f"(run id {run!r}, world_size={n}): clear the folder and "
+                           "run again")
+    return {r: records[r] for r in range(n)}
+
+
+def load_results(*directories) -> RankResults:
+    """A torchrun run's results, merged in rank order, as `cluster.run` returns them.
+
+    `.values` (rank order), `[rank]`, `.seconds` (time in fn: a timing); `.hosts`
+    (rank -> hostname), `.target`, `.args` and `.run_id` say where it ran. A rank
+    that raised makes this raise ResultsError with that rank's traceback."""
+    found = read_records(*directories)
+    run = found[0]["run_id"] if 0 in found else None
+    failed = {r: rec["error"] for r, rec in found.items()
+              if rec["error"] and run in (None, rec["run_id"])}
+    if failed:  # before gaps: torchrun stops the others when one rank raises
+        raise ResultsError("\n".join(f"rank {r} failed:\n{tb}"
+                                     for r, tb in failed.items()))
+    recs = merge(found)
+    out = RankResults({r: rec["value"] for r, rec in recs.items()}, {},
+                      {r: rec["seconds"] for r, rec in recs.items()}, len(recs))
+    out.hosts = {r: rec["host"] for r, rec in recs.items()}
+    out.target, out.args, out.run_id = recs[0]["target"], recs[0]["args"], \
+        recs[0]["run_id"]
+    return out
+
+
+def ledgers_in(value) -> dict[str, object]:
+    """The ledgers in one rank's value: the value itself, or a dict's entries."""
+    from labkit.ledger.common import Ledger
+
+    if isinstance(value, Ledger):
+        return {value.kind: value}
+    if isinstance(value, dict):
+        return {str(k): v for k, v in value.items() if isinstance(v, Ledger)}
+    return {}
+
+
+def brief(value, depth: int = 0) -> str:
+    """One short line for a value: tensors by shape and dtype, dicts by entry."""
+    import torch
+
+    from labkit.ledger.common import Ledger
+
+    if isinstance(value, torch.Tensor):
+        if value.numel() <= 8:
+            return repr(value.tolist()) if value.dim() else repr(value.item())
+        return f"Tensor{list(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    if isinstance(value, Ledger):
+        return repr(value)
+    if isinstance(value, dict) and depth == 0:
+        return "{" + ", ".join(f"{k!r}: {brief(v, 1)}" for k, v in value.items()) + "}"
+    if isinstance(value, (dict, list, tuple)) and not (
+            len(value) <= 8 and all(isinstance(v, (int, float, str, bool)) for v in
+                                    (value.values() if isinstance(value, dict)
+                                     else value))):
+        return f"{type(value).__name__} of {len(value)}"
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = 80
+    return r.repr(value)
+
+
+def summary(*directories) -> str:
+    """A few lines on a run: who ran where, for how long, and what each returned."""
+    recs = merge(read_records(*directories))
+    first = recs[0]
+    hosts = sorted({rec["host"] for rec in recs.values()})
+    args = ", ".join(map(repr, first["args"]))
+    lines = [f"{first['target']}({args}) on {len(recs)} ranks, {len(hosts)} "
+             f"host(s): {', '.join(hosts)}   run id {first['run_id'] or '-'}"]
+    for r, rec in recs.items():
+        what = (f"FAILED: {rec['error'].strip().splitlines()[-1]}" if rec["error"]
+                else brief(rec["value"]))
+        lines.append(f"  rank {r} ({rec['host']}, local {rec['local_rank']}, "
+                     f"{rec['seconds']:.2f} s in fn, a timing): {what}")
+    return "\n".join(lines)
+
+
+def chart(results: RankResults, out_dir) -> list[Path]:
+    """Draw the ledgers the ranks returned (memory by rank, traffic by rank) into
+    PNG files in out_dir; returns the files written."""
+    from labkit.viz.ledger_charts import memory_by_rank, traffic_by_rank
+
+    per_rank = [ledgers_in(v) for v in results.values]
+    names = [k for k in per_rank[0] if all(k in p for p in per_rank)]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in names:
+        ledgers = [p[name] for p in per_rank]
+        kind = ledgers[0].kind
+        where, _, fn = results.target.rpartition(":")
+        title = f"{Path(where).name}:{fn}: {name}, by rank"
+        if kind == "memory":
+            fig = memory_by_rank([m.peak for m in ledgers],
+                                 title=title + " (each category's peak)")
+        elif kind == "traffic":
+            fig = traffic_by_rank(ledgers, title=title)
+        else:
+            continue
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, bbox_inches="tight", dpi=110)
+        written.append(path)
+    return written
+
+
+def results_command(directories, chart_dir=None) -> int:
+    """`python -m labkit results DIR... [--chart OUT]`: 0, or 1 when a rank failed,
+    2 when the files are missing or stale."""
+    try:
+        results = load_results(*directories)
+        print(summary(*directories))
+    except ResultsError as e:
+        print(f"labkit results: {e}")
+        return 1 if "failed:" in str(e) else 2
+    if chart_dir is not None:
+        written = chart(results, chart_dir)
+        for path in written:
+            print(f"wrote {path}")
+        if not written:
+            print("no ledgers to draw: fn returns none (return the ledger, or a "
+                  "dict with ledgers in it, on every rank)")
+    return 0
