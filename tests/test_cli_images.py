@@ -20,3 +20,14 @@ def test_stale_names_missing_and_redrawn_diagrams(tmp_path):
     (tmp_path / "collective_reduce.svg").write_text(f"<!-- {MARK}0 -->\n<svg/>")
     (tmp_path / "ring_allreduce_4.svg").unlink()
     assert sorted(stale(tmp_path)) == ["collective_reduce", "ring_allreduce_4"]
+
+
+def test_a_change_in_the_drawing_code_makes_a_diagram_stale(tmp_path):
+    from labkit.cli.images import digest
+
+    code = tmp_path / "draw.py"
+    code.write_text("colour = 'red'\n")
+    before = digest({"op": "reduce"}, (code,))
+    code.write_text("colour = 'blue'\n")  # same data, another style
+    assert digest({"op": "reduce"}, (code,)) != before
+    assert digest({"op": "reduce"}) != before  # labkit's own files by default

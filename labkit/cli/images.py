@@ -1,8 +1,9 @@
 """`make images`: the course's diagrams, drawn from labkit's own code.
 
 Each SVG carries a hash of the data it draws (what every rank holds before and
-after, computed by labkit.collectives), so a test can tell when a diagram is out of
-date without depending on how a matplotlib version lays out pixels.
+after, computed by labkit.collectives) and of the code that draws it (DRAWN_BY),
+so a test can tell when a diagram is out of date, also after a change of style,
+without depending on how a matplotlib version lays out pixels.
 """
 
 from __future__ import annotations
@@ -41,8 +42,19 @@ def specs() -> dict[str, object]:
     return out
 
 
-def digest(data) -> str:
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+def _drawn_by() -> tuple[Path, ...]:
+    """The source files whose code draws the diagrams."""
+    from labkit.viz import diagrams, style
+
+    return tuple(Path(m.__file__) for m in (diagrams, style)) + (Path(__file__),)
+
+
+def digest(data, code: tuple[Path, ...] | None = None) -> str:
+    """Hash of the data a diagram draws and of the code that draws it."""
+    h = hashlib.sha256(json.dumps(data, sort_keys=True).encode())
+    for path in code if code is not None else _drawn_by():
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _figure(name: str, data):
