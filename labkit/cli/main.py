@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor()
     if args.cmd == "bench":
-        from labkit.cli.bench import bench_cluster, bench_ring
+        from labkit.cli.bench import bench_cluster
 
         n = args.world_size or (2 if args.what == "model-parallel" else 4)
         if args.what == "model-parallel":
@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return bench_strategies(n)
         if args.what == "ring":
+            from labkit.cli.bench_ring import bench_ring
+
             return bench_ring(n)
         return bench_cluster(n)
     if args.cmd == "launch":
