@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from labkit.cli.export import export_notebook
-from labkit.runtime.backend import gpu_count
 from labkit.runtime.launch import parse_args
 from labkit.runtime.results_io import (
     ResultsError,
@@ -30,10 +29,6 @@ PY = sys.executable
 N_NODES, PER_NODE = 2, 2
 N = N_NODES * PER_NODE
 M = 1 << 16  # elements all-reduced: 256 KiB of float32
-
-requires_cuda = pytest.mark.skipif(
-    gpu_count() < 2, reason=f"needs 2 CUDA devices, {gpu_count()} visible")
-
 
 def notebook(tmp_path, cells):
     """A notebook of code cells: (source, tags)."""
@@ -226,50 +221,3 @@ def test_results_command_reports_missing_ranks(tmp_path):
     cmd = subprocess.run([PY, "-m", "labkit", "results", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert cmd.returncode == 2 and "no result for rank(s) [1]" in cmd.stdout
-
-
-# -- what needs GPUs: skipped without two CUDA devices ---------------------------
-
-def _cuda_step(rank, world_size):
-    import torch.distributed as dist
-
-    from labkit import ledger
-
-    model = torch.nn.Linear(256, 256).cuda()
-    with ledger.memory(model) as m:
-        model(torch.ones(64, 256, device="cuda")).sum().backward()
-    x = torch.ones(4, device="cuda") * rank
-    dist.all_reduce(x)
-    return {"device": torch.cuda.current_device(), "backend": dist.get_backend(),
-            "sum": x.tolist(), "cuda_peak": m.cuda_peak, "peak": sum(m.peak.values())}
-
-
-@requires_cuda
-def test_cluster_on_gpus_uses_nccl_one_gpu_per_rank_and_reports_cuda_peak():
-    import labkit
-
-    with labkit.Cluster(2, timeout=60) as c:
-        assert c.backend == "nccl"
-        out = c.run(_cuda_step).values
-    assert [o["device"] for o in out] == [0, 1]
-    assert all("nccl" in o["backend"] for o in out)
-    assert all(o["sum"] == [1.0] * 4 for o in out)
-    for o in out:  # the allocator's peak is at least what the ledger counted
-        assert o["cuda_peak"] is not None and o["cuda_peak"] >= o["peak"] > 0
-
-
-@requires_cuda
-def test_launch_on_gpus_uses_nccl_one_gpu_per_local_rank(tmp_path):
-    import inspect
-
-    work = tmp_path / "gpu_work.py"
-    work.write_text("import torch\n\n\n" + inspect.getsource(_cuda_step))
-    cmd = subprocess.run([PY, "-m", "labkit", "launch", f"{work}:_cuda_step",
-                          "--nproc", "2", "--results", str(tmp_path / "runs")],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert cmd.returncode == 0, cmd.stdout + cmd.stderr
-    out = load_results(tmp_path / "runs").values
-    assert [o["device"] for o in out] == [0, 1]
-    assert all("nccl" in o["backend"] and o["sum"] == [1.0] * 4 for o in out)
-    assert all(o["cuda_peak"] is not None and o["cuda_peak"] >= o["peak"] > 0
-               for o in out)

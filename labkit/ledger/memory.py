@@ -71,7 +71,7 @@ class MemoryLedger(Ledger):
 
     kind = "memory"
     fields = ("current", "peak", "at_peak", "phase_peaks", "steps", "local_shards",
-              "cuda_peak", "host", "host_peak")  # what pickles
+              "cuda_peak", "cuda_start", "host", "host_peak")  # what pickles
 
     def __init__(self, *tracked):
         super().__init__()
@@ -83,6 +83,7 @@ class MemoryLedger(Ledger):
         self.steps: list[Step] = []
         self.local_shards = False  # DTensors were met: counted by local shard
         self.cuda_peak: int | None = None  # the CUDA allocator's own peak, on GPUs
+        self.cuda_start: int | None = None  # ... and what it held as the block began
         self._tracker = None
         self._handles: list = []
         self._step_depth = 0
@@ -136,6 +137,7 @@ class MemoryLedger(Ledger):
             self._handles.append(register_optimizer_step_post_hook(self._step_post))
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.reset_peak_memory_stats()
+                self.cuda_start = torch.cuda.memory_allocated()
         except BaseException:
             self._remove_hooks()
             raise
@@ -152,7 +154,17 @@ class MemoryLedger(Ledger):
                 self._remove_hooks()
                 if torch.cuda.is_available() and torch.cuda.is_initialized():
                     self.cuda_peak = torch.cuda.max_memory_allocated()
+                self._let_go()
         return False
+
+    def _let_go(self) -> None:
+        """Drop every reference to what was tracked: a ledger kept for its numbers
+        must not keep the model, its gradients or the optimizer's state alive."""
+        if self._tracker is not None:
+            self._tracker._ledger = None  # its storages' finalizers may still fire
+        self._tracked, self._tracker = [], None
+        self._host, self._step_log = {}, []
+        self._step_new, self._step_gone, self._step_host_new = set(), set(), set()
 
     def _remove_hooks(self) -> None:
         for h in self._handles:

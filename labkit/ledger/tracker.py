@@ -27,8 +27,10 @@ def tracker_class():
             self._ledger = ledger
 
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
-            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
             led = self._ledger
+            if led is None:  # the block ended: a storage freed later changes nothing
+                return
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
             mem = winfo.mem_consumed
             if u_type == _UpdateType.ADD:
                 led._change(winfo, {winfo.reftype: mem}, new=True)

@@ -150,7 +150,12 @@ def _wait(ns: str, res) -> None:
         return
     for a in res if isinstance(res, tuple) else (res,):
         if isinstance(a, torch.ScriptObject) and "Work" in str(a._type()):
-            dist.distributed_c10d.Work.unbox(a).wait()
+            work = dist.distributed_c10d.Work.unbox(a)
+            if work is not None:  # NCCL may hand back none: the stream orders it
+                work.wait()
+    cuda = [t for t in _tensors(res) if t.is_cuda]
+    if cuda:  # wait() orders the GPU's stream only; the record's time needs the end
+        torch.cuda.synchronize(cuda[0].device)
 
 
 def _io_path_ok() -> bool:

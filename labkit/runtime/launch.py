@@ -88,12 +88,17 @@ def _short(value) -> str:
 
 
 def _init() -> None:
-    import torch
-    import torch.distributed as dist
+    from labkit.runtime.backend import gpu_count  # counts without starting CUDA
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_size:
+    nccl = gpu_count() >= local_size
+    if not nccl:  # a CPU rank sees no GPU (see runtime/rank.py)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+    import torch.distributed as dist
+
+    if nccl:
         torch.cuda.set_device(local)  # one GPU per rank on this node
         dist.init_process_group("cpu:gloo,cuda:nccl")  # CPU tensors keep working
     else:

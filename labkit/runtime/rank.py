@@ -87,6 +87,12 @@ def _exit_with_kernel(fds: tuple[int, ...]) -> None:
 def _init_process_group(spec: RankSpec) -> None:
     from datetime import timedelta
 
+    if spec.backend == "gloo":
+        # a CPU rank sees no GPU, so code that picks a device for itself (FSDP2's
+        # default mesh, DeviceMesh) takes the CPU instead of claiming cuda:<rank>
+        # on a machine with fewer GPUs than ranks. Read when CUDA starts, which it
+        # has not in this process yet.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
     import torch.distributed as dist
 
