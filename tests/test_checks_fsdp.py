@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.checks.common import ExerciseError
-from labkit.checks.fsdp import check_zero3_hooks
+from labkit.checks.fsdp import check_peak_share, check_zero3_hooks
 
 
 def _gather(module, shards, shapes, order=None):
@@ -54,6 +54,26 @@ def _todo(layer, shards, shapes):
     raise NotImplementedError
 
 
+def _one_hook(layer, shards, shapes):
+    return _good(layer, shards, shapes)[0]  # the pre hook alone
+
+
+def _rank0_gathers(layer, shards, shapes):
+    def pre(module, args):
+        if dist.get_rank() == 0:  # the others never call all_gather
+            _gather(module, shards, shapes)
+        else:
+            for name in shards:
+                setattr(module, name, torch.zeros(shapes[name]))
+    return pre, _good(layer, shards, shapes)[1]
+
+
+def _raises(layer, shards, shapes):
+    def pre(module, args):
+        return shards["weights"]  # KeyError: the names are "weight" and "bias"
+    return pre, _good(layer, shards, shapes)[1]
+
+
 def test_zero3_hooks_check(cluster, capsys):
     assert not check_zero3_hooks(cluster, _todo)
     assert "not written yet" in capsys.readouterr().out
@@ -68,3 +88,28 @@ def test_zero3_hooks_check(cluster, capsys):
     with pytest.raises(ExerciseError, match=r"rank 0, tensor weight: forward saw "
                        r"shape \(72,\), expected \(7, 10\)"):
         check_zero3_hooks(cluster, _padded)
+    with pytest.raises(ExerciseError, match=r"rank 0: your function returned <function"
+                       r".*: return a pair \(pre, post\) of functions"):
+        check_zero3_hooks(cluster, _one_hook)
+    with pytest.raises(ExerciseError, match=r"raised KeyError: 'weights' at line \d+ "
+                       r"of test_checks_fsdp.py"):
+        check_zero3_hooks(cluster, _raises)
+    with pytest.raises(ExerciseError, match=r"(?s)deadlock: rank 0 still waiting.*"
+                       r"in all_gather"):
+        check_zero3_hooks(cluster, _rank0_gathers)  # reported after 5 s, not 30
+
+
+def test_peak_share_check(capsys):
+    measured = {(4, 4): 0.75}  # what chapter 07's memory ledger measures
+    assert not check_peak_share(lambda n, u: (_ for _ in ()).throw(
+        NotImplementedError), measured)
+    assert "not written yet" in capsys.readouterr().out
+    assert check_peak_share(lambda n, u: 1 / n + 2 / u, measured)
+    with pytest.raises(ExerciseError, match=r"peak_share\(4, 4\) = 0.5, but the "
+                       r"memory ledger measured 0.75"):
+        check_peak_share(lambda n, u: 1 / n + 1 / u, measured)  # one unit, not two
+    with pytest.raises(ExerciseError, match=r"peak_share\(4, 32\) = 0.75, but "
+                       r"expected 0.3125"):
+        check_peak_share(lambda n, u: 0.75, measured)  # right for (4, 4) only
+    with pytest.raises(ExerciseError, match=r"returned '0.75': return a number"):
+        check_peak_share(lambda n, u: "0.75", measured)

@@ -12,8 +12,23 @@ MEASURED = {"P": 400, "O": 204, "G": 400, "sent": 600}
 
 def test_right_placement_and_bytes(capsys):
     assert check_placement("ZeRO-1", Placement("Replicated", "Sharded"),
-                           dict(P=400, O=203, G=400, sent=601), Z1, MEASURED)
+                           dict(P=400, O=204, G=400, sent=601), Z1, MEASURED)
     assert "placement and bytes right" in capsys.readouterr().out
+
+
+def test_bytes_held_must_match_to_the_byte():
+    # 1% would forgive the 4-byte step counter; the memory ledger counts it
+    with pytest.raises(ExerciseError, match=r"predicted 200 bytes of optimizer state "
+                       r"\(O\); the ledgers measured 204 \(-4 bytes: .*step counter"
+                       r".*must match to the byte"):
+        check_placement("ZeRO-1", Z1, dict(P=400, O=200, G=400, sent=600), Z1,
+                        MEASURED)
+
+
+def test_predicted_bytes_not_a_dict():
+    with pytest.raises(ExerciseError, match=r"the placement is right; predict the "
+                       r"bytes as a dict with keys P, O, G, sent, not 5"):
+        check_placement("ZeRO-1", lambda: (Z1, 5), None, Z1, MEASURED)
 
 
 def test_not_answered_yet(capsys):
@@ -53,7 +68,9 @@ def test_names_the_wrong_number():
                        r"\(O\); the ledgers measured 204"):
         check_placement("ZeRO-1", Z1, dict(P=400, O=800, G=400, sent=600), Z1,
                         MEASURED)
-    with pytest.raises(ExerciseError, match="bytes sent per step"):
+    with pytest.raises(ExerciseError, match=r"predicted 900 bytes sent per step "
+                       r"\(sent\); the ledgers measured 600 \(1.5×\); it must "
+                       r"match within 1%"):
         check_placement("ZeRO-1", Z1, dict(P=400, O=204, G=400, sent=900), Z1,
                         MEASURED)
     with pytest.raises(ExerciseError, match="must be a number"):

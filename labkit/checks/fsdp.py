@@ -50,7 +50,11 @@ def _hooks_worker(rank, world_size, fn):
     layer = torch.nn.Linear(IN, OUT)
     for name in shapes:
         delattr(layer, name)  # the layer starts with nothing of its own
-    pre, post = fn(layer, shards, shapes)
+    hooks = fn(layer, shards, shapes)
+    if not (isinstance(hooks, tuple) and len(hooks) == 2
+            and all(callable(h) for h in hooks)):
+        return {"returned": hooks if hooks is None else repr(hooks)[:120]}
+    pre, post = hooks
     seen = {}
 
     def look(module, args):  # runs after the student's pre-hook
@@ -90,6 +94,11 @@ def check_zero3_hooks(cluster, fn) -> bool:
     if res is None:
         return NOT_YET
     for rank, r in enumerate(res):
+        if "returned" in r:
+            raise ExerciseError(
+                f"rank {rank}: your function returned {r['returned']}: return a pair "
+                "(pre, post) of functions, pre(module, args) to gather before "
+                "forward and post(module, args, output) to free after it")
         for name, want in r["want"].items():
             got = r["seen"].get(name)
             if got is None:
@@ -101,6 +110,10 @@ def check_zero3_hooks(cluster, fn) -> bool:
                     f"rank {rank}, tensor {name}: forward saw shape "
                     f"{tuple(got.shape)}, expected {tuple(want.shape)}: gather all "
                     "N shards, drop the padding past numel, then view as the shape")
+            if got.dtype != want.dtype:
+                raise ExerciseError(
+                    f"rank {rank}, tensor {name}: forward saw dtype {got.dtype}, "
+                    f"expected {want.dtype}: keep the shards' dtype")
             bad = (got != want).nonzero()
             if len(bad):
                 i = tuple(int(v) for v in bad[0])

@@ -36,11 +36,13 @@ def _compare_placement(what: str, yours, want: Placement) -> None:
 
 
 def check_placement(what: str, yours, predicted, want: Placement, measured: dict,
-                    rel: float = 0.01) -> bool:
+                    rel: float = 0.01, exact=("P", "O", "G")) -> bool:
     """`yours`: the student's Placement; `predicted`: their bytes per rank, a dict
-    with "P", "O", "G" (kept between steps) and "sent" (bytes per step), each
-    number or None. `want` is the strategy's true Placement and `measured` the
-    same keys as the ledgers measured them; numbers must agree within `rel`.
+    with "P", "O", "G" (held) and "sent" (bytes per step), each number or None.
+    `want` is the strategy's true Placement and `measured` the same keys as the
+    ledgers measured them. Bytes held (the keys in `exact`) must agree to the
+    byte, as the memory ledger counts them; bytes sent within `rel` (gloo's
+    message headers).
 
     `yours` may also be the student's function returning (Placement, predicted):
     it is called here, and a stub still raising NotImplementedError is "not
@@ -57,6 +59,9 @@ def check_placement(what: str, yours, predicted, want: Placement, measured: dict
         print(f"{what}: not answered yet (replace None with your Placement)")
         return NOT_YET
     _compare_placement(what, yours, want)
+    if predicted is not None and not isinstance(predicted, dict):
+        raise ExerciseError(f"{what}: the placement is right; predict the bytes as a "
+                            f"dict with keys {', '.join(measured)}, not {predicted!r}")
     if predicted is None or any(predicted.get(k) is None for k in measured):
         print(f"{what}: the placement is right; now predict "
               f"{', '.join(k for k in measured)} in bytes")
@@ -65,11 +70,18 @@ def check_placement(what: str, yours, predicted, want: Placement, measured: dict
         guess = predicted[key]
         if isinstance(guess, bool) or not isinstance(guess, (int, float)):
             raise ExerciseError(f"{what}: {key} must be a number, got {guess!r}")
-        if abs(guess - got) > rel * max(abs(got), 1):
-            label = STATES.get(key, "bytes sent per step")
+        tol = 0 if key in exact else rel * max(abs(got), 1)
+        if abs(guess - got) > tol:
+            label = (f"bytes of {STATES[key]}" if key in STATES
+                     else "bytes sent per step")
+            off = guess - got
+            why = (f"{off:+,.0f} bytes: count every small tensor too (a step "
+                   "counter is 4 bytes)" if abs(off) <= 64
+                   else f"{guess / max(got, 1):.3g}×")
+            within = "to the byte" if key in exact else f"within {rel:.0%}"
             raise ExerciseError(
-                f"{what}: you predicted {guess:,.0f} bytes of {label} ({key}); the "
-                f"ledgers measured {got:,.0f} ({guess / max(got, 1):.3g}×)")
+                f"{what}: you predicted {guess:,.0f} {label} ({key}); the ledgers "
+                f"measured {got:,.0f} ({why}); it must match {within}")
     print(f"{what}: placement and bytes right "
           f"({', '.join(f'{k} {measured[k]:,.0f}' for k in measured)})")
     return PASSED
