@@ -48,6 +48,14 @@ def test_published_layout_fits_and_is_ranked(key, ranked):
     assert f"ranks {mine.rank} of {len(ranked[key])}" in text
     if mine.rank > 1:  # it must say which it prefers, and why
         assert f"prefers {ranked[key][0].layout}" in text and "spends more on" in text
+        best = ranked[key][0].layout
+        if best.schedule != run.layout.schedule:  # and whether the schedule differs
+            same = [r for r in ranked[key] if r.layout.schedule == run.layout.schedule]
+            assert (f"among the {len(same)} layouts on the published schedule "
+                    f"({run.layout.schedule}) the published one ranks "
+                    f"{same.index(mine) + 1}") in text
+        if best.recompute != run.layout.recompute:
+            assert f"uses {run.layout.recompute} recomputation" in text
     tie = "a tie at this calculator's precision" in text
     assert tie == (mine.rank > 1 and mine.step_time <= 1.02 * ranked[key][0].step_time)
     times = [r.step_time for r in ranked[key]]
@@ -91,10 +99,12 @@ def test_llama3_traffic_and_compute():
     # scattered over TP 8 (v = 2 chunks per stage)
     assert est.traffic["pp"] == pytest.approx(2 * 16 * 8192 * c.hidden * 2 / 8 * 2)
     assert est.traffic["cp"] == est.traffic["ep"] == 0
-    # compute: 6N + attention FLOPs per token, 16M tokens over 16,384 GPUs at 40 %
-    # of 989 TFLOPS (no recomputation)
-    want = flops_per_token(c, 8192) * 2048 * 8192 / 16384 / (989e12 * 0.4)
+    # compute: 6N + attention FLOPs per token, 16M tokens over 16,384 GPUs at the
+    # GEMM efficiency of 989 TFLOPS (no recomputation): every product of a layer
+    # on 8192 tokens with TP 8 is compute-bound (see test_layout_time.py)
+    want = flops_per_token(c, 8192) * 2048 * 8192 / 16384 / (989e12 * 794.5 / 989)
     assert est.time["compute"] == pytest.approx(want)
+    assert est.gemm_slowdown == pytest.approx(989 / 794.5)
     # interleaved 1F1B, v = 2: bubble (p-1)/(v m) = 15/32 of the busy time
     busy = sum(v for k, v in est.time.items() if k not in ("bubble", "dp"))
     assert est.time["bubble"] == pytest.approx(15 / 32 * busy)
@@ -118,8 +128,19 @@ def test_dualpipe_hides_ep_and_keeps_two_copies():
     c, dual = M["deepseek-v3"], run.estimate()
     plain = estimate(c, dataclasses.replace(run.layout, dualpipe=False), run.cluster,
                      run.global_batch_tokens, run.seq)
-    assert dual.time["ep"] == 0 < plain.time["ep"]
-    assert plain.time["ep"] == pytest.approx(plain.traffic["ep"] / 50e9)
+    # DualPipe overlaps EP and PP with compute: only what exceeds compute shows
+    assert dual.time["ep"] == pytest.approx(
+        plain.time["ep"] + plain.time["pp"] - dual.time["compute"])
+    assert dual.time["pp"] == 0 and dual.time["ep"] < 0.05 * plain.time["ep"]
+    # bytes over the network, plus α: 4 all-to-alls per MoE layer (ceil(58 / 16) =
+    # 4 per stage) per micro-batch (120), each 63 ring steps of which 7 cross
+    # between the 8 nodes: 56 x 3.4 us + 7 x 14 us
+    alpha = 4 * 4 * 120 * (56 * 3.4e-6 + 7 * 14e-6)
+    assert plain.time["ep"] == pytest.approx(plain.traffic["ep"] / 50e9 + alpha)
+    # node-limited routing: 4 copies of each token cross the network, not 8
+    # (dispatch and combine, forward and backward; 4096 tokens x 7168 x bf16)
+    assert plain.traffic["ep"] == pytest.approx(
+        2 * 2 * 63 / 64 * 4096 * 4 * 7168 * 2 * 4 * 120)
     assert dual.memory["params"] == pytest.approx(2 * plain.memory["params"])
     assert dual.step_time < plain.step_time
 
@@ -129,6 +150,12 @@ def test_reasons_name_the_published_placement():
     assert any(s.startswith("TP 8 stays inside a node") for s in llama)
     assert any(s.startswith("PP 16 runs across nodes") for s in llama)
     assert any("DP 128 is outermost" in s for s in llama)
+    est = PUBLISHED_RUNS["llama3-405b"].estimate()
+    assert any(s.startswith("its matrix products run at 80% of the 989 TFLOPS") and
+               s.endswith(f"the step reaches {est.mfu:.0%} MFU") for s in llama)
+    gpt3 = PUBLISHED_RUNS["gpt3-175b"].estimate().reasons  # full recomputation: 6
+    assert any(s.startswith("TP 8 stays inside a node: its 6 all-reduces")
+               for s in gpt3)
     ds = PUBLISHED_RUNS["deepseek-v3"].estimate()
     assert ds.traffic["tp"] == 0 and ds.traffic["ep"] > 0
     assert not any(s.startswith("TP") for s in ds.reasons)

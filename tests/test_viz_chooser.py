@@ -3,7 +3,12 @@
 import pytest
 
 from labkit.theory.layouts import PUBLISHED_RUNS, find
-from labkit.viz.chooser import StrategyChooser, step_time_bars, strategy_chooser
+from labkit.viz.chooser import (
+    StrategyChooser,
+    gemm_roofline,
+    step_time_bars,
+    strategy_chooser,
+)
 
 
 def _bar_totals(fig):
@@ -37,6 +42,9 @@ def test_moving_controls_changes_table_and_chart():
     assert w.nodes.value == run.cluster.nodes and w.cluster().gpus == 1536
     _check_agree(w)
     assert "ranks" in w.info.value and "Megatron-LM GPT-3 175B" in w.info.value
+    # the header names the GPU's GEMM efficiency and the α it prices with
+    assert "large GEMMs at 87% of it" in w.info.value
+    assert "α 3.4 µs per ring step in a node, 14.0 µs between nodes" in w.info.value
     # on its published cluster the widget's numbers are the calculator's
     assert w.cluster() == run.cluster.__class__(**{**run.cluster.__dict__,
                                                    "name": ""})
@@ -75,3 +83,28 @@ def test_step_time_bars_bold_published():
     fig = step_time_bars(ranked, published=run.layout, top=3)
     labels = fig.axes[0].get_xticklabels()
     assert len(labels) == 4 and labels[-1].get_fontweight() == "bold"
+
+
+def test_gemm_roofline_draws_the_roof_and_each_product():
+    from labkit.theory._layout_roofline import gemm_time
+    from labkit.theory.layouts import H100_NODE
+
+    gemms = {"QKV, 8192 tokens": (8192, 2304, 16384),
+             "QKV, 64 tokens": (64, 2304, 16384)}
+    fig = gemm_roofline(H100_NODE, gemms)
+    ax = fig.axes[0]
+    lines = ax.get_lines()
+    assert len(lines) == 2 + len(gemms)  # the roof, the ridge, one point each
+    texts = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert len(texts) == len(lines) and texts[0].startswith("roof")
+    for line, (m, n, k) in zip(lines[2:], gemms.values()):  # each point on its roof
+        (x,), (y,) = line.get_data()
+        assert x == pytest.approx(m * n * k / (m * k + k * n + m * n))
+        assert y * 1e12 == pytest.approx(2 * m * n * k / gemm_time(m, n, k, H100_NODE))
+        lo, hi = ax.get_xlim()
+        ylo, yhi = ax.get_ylim()
+        assert lo < x < hi and ylo < y < yhi  # inside the axes
+    # the thin product sits on the slope (HBM-bound), the wide one on the flat
+    (_, (y_wide,)), (_, (y_thin,)) = (ln.get_data() for ln in lines[2:])
+    assert y_wide == pytest.approx(989 * 794.5 / 989)
+    assert y_thin < 0.3 * y_wide

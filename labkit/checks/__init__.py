@@ -31,7 +31,7 @@ from labkit.checks.sequence_parallel import (
     check_online_softmax_merge,
     check_sequence_parallel_mlp,
 )
-from labkit.checks.three_d import check_dp_bytes, check_peers
+from labkit.checks.three_d import check_dp_bytes, check_peers, check_ring_seconds
 from labkit.checks.tensor_parallel import (
     check_conjugate_operators,
     check_row_parallel_forward,
@@ -47,4 +47,4 @@ __all__ += ["check_all_to_all", "check_bytes_per_rank", "check_cheap_reduce_scat
             "check_ring_all_gather", "check_ring_time", "check_row_parallel_forward",
             "check_sequence_parallel_mlp", "check_smallest_n", "check_two_rings"]
 __all__ += ["check_1f1b_order", "check_in_flight"]
-__all__ += ["check_dp_bytes", "check_peers"]
+__all__ += ["check_dp_bytes", "check_peers", "check_ring_seconds"]

@@ -116,3 +116,63 @@ def check_dp_bytes(cluster, fn) -> bool:
     print("correct: your prediction is what every rank sent in its dp group, on "
           "DP(2) x PP(2) x TP(2) and on DP(4) x PP(2)")
     return PASSED
+
+
+# ---------------------------------------------------------------- exercise 3
+
+RING_CASES = (("all_reduce", 268e6, 8, 1), ("reduce_scatter", 64e6, 16, 2),
+              ("all_reduce", 1e6, 64, 8), ("all_gather", 797e6, 2048, 2048))
+
+
+def _ring_seconds(op, size, n, nodes, cl, alpha_in=None, alpha_out=None, bw=None):
+    from labkit.theory import latency_steps, ring_bytes_per_rank
+
+    a_in = cl.alpha_intra if alpha_in is None else alpha_in
+    a_out = cl.alpha_inter if alpha_out is None else alpha_out
+    inter = latency_steps(op, nodes) if nodes > 1 else 0
+    beta = bw or (cl.intra_bw if nodes == 1 else cl.inter_bw)
+    return ((latency_steps(op, n) - inter) * a_in + inter * a_out
+            + ring_bytes_per_rank(op, size, n) / beta)
+
+
+def check_ring_seconds(fn, cluster=None) -> bool:
+    """`fn(op, size, n, nodes, cluster)`: the α-β seconds of a ring collective of
+    `size` bytes over n ranks spread on `nodes` nodes of `cluster` (a
+    theory.layouts.Cluster): the ring's steps, those between nodes at
+    alpha_inter and the rest at alpha_intra, plus the bytes each rank sends over
+    NVLink (one node) or the network. Checked on four collectives, from one
+    node to 2048; the first wrong one is named, with what it looks like you
+    left out."""
+    from labkit.checks.common import NOT_WRITTEN, call_answer
+    from labkit.theory.layouts import LLAMA3_CLUSTER
+
+    cl = cluster or LLAMA3_CLUSTER
+    for op, size, n, nodes in RING_CASES:
+        call = f"my_ring_seconds({op!r}, {size:.3g}, n={n}, nodes={nodes}, cluster)"
+        got = call_answer(fn, op, size, n, nodes, cl, what="my_ring_seconds")
+        if got is NOT_WRITTEN:
+            return NOT_YET
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            raise ExerciseError(f"{call} returned {got!r}; return seconds, a number")
+        want = _ring_seconds(op, size, n, nodes, cl)
+        if abs(got - want) <= 1e-9 * want:
+            continue
+        hints = [  # what a common slip gives, and what to say about it
+            (_ring_seconds(op, size, n, nodes, cl, 0.0, 0.0),
+             "that is the bytes alone: every ring step also pays α"),
+            (_ring_seconds(op, size, n, nodes, cl, cl.alpha_inter, cl.alpha_inter),
+             "every step paid the network's α: only the ring's steps between nodes "
+             "(latency_steps(op, nodes) of them) do; the rest pay alpha_intra"),
+            (_ring_seconds(op, size, n, nodes, cl, bw=cl.intra_bw),
+             "a ring that leaves its node moves its bytes at the network's "
+             "inter_bw, not NVLink's"),
+            (_ring_seconds(op, size, n, nodes, cl, bw=cl.inter_bw),
+             "inside one node the bytes go over NVLink (intra_bw)")]
+        hint = next((h for v, h in hints if abs(got - v) <= 1e-9 * v),
+                    "steps from theory.latency_steps(op, n), bytes each rank sends "
+                    "from theory.ring_bytes_per_rank(op, size, n)")
+        raise ExerciseError(f"{call} = {got:.6g} s, expected {want:.6g} s. Hint: "
+                            f"{hint}")
+    print(f"correct: your α-β seconds match on all {len(RING_CASES)} collectives, "
+          "from 8 GPUs in a node to a ring over 2048 nodes")
+    return PASSED

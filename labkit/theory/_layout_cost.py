@@ -4,8 +4,9 @@ The pieces are the course's own closed forms: ZeRO's model states
 (theory.zero), Korthikanti et al.'s activations (theory.activations), Megatron's
 tensor-parallel all-reduces (theory.tensor_parallel), ring collectives
 (theory.collective_cost) and pipeline bubbles (theory.pipeline). What this
-module adds is how a layout's degrees feed them, and an α-free bandwidth model
-of the step (no latency term: at these sizes the bytes dominate).
+module adds is how a layout's degrees feed them, and a step time: matrix
+products by a roofline at the shapes each device gets (_layout_roofline), each
+collective by the α-β model, α from NCCL's own cost model (_layout_cluster).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from labkit.theory._layout_cluster import Cluster
 from labkit.theory.activations import activation_terms
 from labkit.theory.collective_cost import ring_bytes_per_rank
 from labkit.theory.models import ModelConfig, param_count
@@ -26,6 +28,11 @@ DIMS = ("tp", "cp", "pp", "dp", "ep")
 # DeepSeek-V3 packs each EP 64 group onto 8 consecutive nodes (DeepSeek-AI 2024,
 # sec. 3.2), so EP comes before PP here; with EP 1 this is Llama's order.
 ORDER = ("tp", "cp", "ep", "pp", "dp")
+# Node-limited routing: DeepSeek-AI 2024, sec. 2.1.2 and 3.2.2, sends each token
+# to at most 4 nodes; it crosses InfiniBand once per node and is forwarded to
+# that node's experts over NVLink. Where an EP group spans nodes, a token's
+# copies on the network are min(top-k, this) instead of top-k.
+NODE_LIMITED_ROUTING = {"DeepSeek-V3": 4}
 
 
 @dataclass(frozen=True)
@@ -98,37 +105,6 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class Cluster:
-    """GPUs in nodes: memory per GPU (bytes), bandwidth per GPU per direction
-    inside a node (intra_bw) and between nodes (inter_bw), bytes/s; flops: dense
-    bf16 per GPU; mfu: the fraction of it the model's matmuls reach."""
-
-    gpu_memory: float
-    gpus_per_node: int
-    nodes: int
-    intra_bw: float
-    inter_bw: float
-    flops: float
-    mfu: float = 0.4
-    name: str = ""
-
-    def __post_init__(self):
-        for d in ("gpus_per_node", "nodes"):
-            v = getattr(self, d)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{d} must be an integer >= 1, got {v!r}")
-        for d in ("gpu_memory", "intra_bw", "inter_bw", "flops"):
-            if getattr(self, d) <= 0:
-                raise ValueError(f"{d} must be > 0, got {getattr(self, d)!r}")
-        if not 0 < self.mfu <= 1:
-            raise ValueError(f"mfu must be in (0, 1], got {self.mfu!r}")
-
-    @property
-    def gpus(self) -> int:
-        return self.gpus_per_node * self.nodes
-
-
-@dataclass(frozen=True)
 class Estimate:
     """One layout on one cluster: bytes per device, bytes sent per device per
     step, and seconds per step (compute, each exposed communication, bubble)."""
@@ -140,6 +116,14 @@ class Estimate:
     gpu_memory: float
     in_node: dict[str, bool]  # each dimension > 1: does its group fit in a node
     reasons: list[str] = field(default_factory=list)
+    model_time: float = 0.0  # the model's FLOPs at the full peak, seconds
+    gemm_slowdown: float = 1.0  # roofline time over peak time of the layers
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: the model's FLOPs (no recomputation) over
+        what the GPU's peak could do in the step."""
+        return self.model_time / self.step_time
 
     @property
     def memory_total(self) -> float:
@@ -250,11 +234,15 @@ def estimate(model: ModelConfig, layout: Layout, cluster: Cluster,
     micro-batch's activation forward and its gradient back (/TP: scatter-gather);
     DP/ZeRO theory.zero_traffic of this device's parameters; EP dispatch and
     combine all-to-alls of the routed tokens, forward and backward.
-    Time: compute = FLOPs / (flops x mfu) (x 4/3 with full recomputation); each
-    group's bytes over NVLink if it lies in a node, else over the NIC; DP's
-    bytes hide under the compute that runs while they can go (dp_phases_of);
-    the bubble is bubble_fraction of the rest."""
-    from labkit.theory._layout_time import bubble_fraction, dp_phases_of
+    Time: compute = FLOPs at the peak x the roofline's slowdown for this
+    layout's per-device matrix shapes (compute_slowdown; x 4/3 with full
+    recomputation); each collective by the α-β model, its bytes over NVLink if
+    its group lies in a node, else over the NIC, plus α per ring step (NCCL's
+    intra- and inter-node α, ring_latency; one α per pipeline send); DP's time
+    hides under the compute that runs while it can go (dp_phases_of); the bubble
+    is bubble_fraction of the rest."""
+    from labkit.theory._layout_roofline import compute_slowdown
+    from labkit.theory._layout_time import bubble_fraction, dp_phases_of, latency_of
     c, lay = model, layout
     per_replica = check_layout(c, lay, cluster, global_batch_tokens, seq)
     m = lay.microbatches
@@ -309,28 +297,37 @@ def estimate(model: ModelConfig, layout: Layout, cluster: Cluster,
     traffic["dp"] = sum(dp_phases.values())
     if lay.ep > 1:
         moe_layers = -(-(c.layers - c.dense_layers) // lay.pp)
-        routed = b * s_local * c.experts_per_token * c.hidden * dtype_bytes / lay.tp
+        copies = c.experts_per_token
+        if lay.ep * lay.tp * lay.cp > cluster.gpus_per_node:  # the EP group spans nodes
+            copies = min(copies, NODE_LIMITED_ROUTING.get(c.name, copies))
+        routed = b * s_local * copies * c.hidden * dtype_bytes / lay.tp
         per_layer = 2 * 2 * ring_bytes_per_rank("all_to_all", routed, lay.ep)
         traffic["ep"] = per_layer * moe_layers * m
 
     in_node = _in_node(lay, cluster.gpus_per_node)
     bw = {d: cluster.intra_bw if in_node[d] else cluster.inter_bw for d in DIMS}
+    lat = latency_of(c, lay, cluster, stage_layers, m, full)
     tokens_dev = global_batch_tokens / (lay.dp * lay.cp)  # per pipeline, per CP rank
-    compute = (flops_per_token(c, seq) * tokens_dev / (lay.tp * lay.pp)
-               / (cluster.flops * cluster.mfu)) * (4 / 3 if full else 1)
+    model_time = (flops_per_token(c, seq) * tokens_dev / (lay.tp * lay.pp)
+                  / cluster.flops)
+    slow = compute_slowdown(c, b * s_local, seq, lay.tp, lay.ep, cluster)
+    compute = model_time * slow * (4 / 3 if full else 1)
     time = {"compute": compute}
     for d in ("tp", "cp", "pp", "ep"):
-        time[d] = traffic[d] / bw[d]
+        time[d] = traffic[d] / bw[d] + lat[d]
     if lay.dualpipe:  # forward and backward chunks of two micro-batches overlap
         hidden = time["ep"] + time["pp"]
         time["ep"], time["pp"] = max(0.0, hidden - compute), 0.0
     window = {"end": 2 / 3 * compute / m, "start": compute / 3 / m,
               "backward": 2 / 3 * compute, "stream": compute}
-    time["dp"] = sum(max(0.0, v / bw["dp"] - window[k]) for k, v in dp_phases.items())
+    time["dp"] = sum(max(0.0, v / bw["dp"] + lat["dp"][k] - window[k])
+                     for k, v in dp_phases.items())
     busy = compute + sum(time[d] for d in ("tp", "cp", "pp", "ep"))
     time["bubble"] = bubble_fraction(lay) * busy
     est = Estimate(lay, memory, traffic, time, cluster.gpu_memory,
-                   {d: in_node[d] for d in DIMS if getattr(lay, d) > 1})
+                   {d: in_node[d] for d in DIMS if getattr(lay, d) > 1},
+                   model_time=model_time, gemm_slowdown=slow)
     from labkit.theory._layout_reasons import reasons  # it reads an Estimate
     est.reasons.extend(reasons(model, est, cluster))
     return est
+

@@ -22,7 +22,8 @@ def reasons(model: ModelConfig, est: Estimate, cluster: Cluster) -> list[str]:
     if lay.tp > 1:
         i = est.in_node["tp"]
         stays = "stays inside a node" if i else "spans nodes"
-        out.append(f"TP {lay.tp} {stays}: its 4 all-reduces per layer "
+        calls = 6 if lay.recompute == "full" else 4
+        out.append(f"TP {lay.tp} {stays}: its {calls} all-reduces per layer "
                    f"({_gb(est.traffic['tp'])} per step) run on {link[i]}")
     if lay.cp > 1:
         i = est.in_node["cp"]
@@ -51,6 +52,9 @@ def reasons(model: ModelConfig, est: Estimate, cluster: Cluster) -> list[str]:
                    f"{_gb(est.traffic['dp'])} of data-parallel traffic per step "
                    + ("hides under the backward" if hidden else
                       f"leaves {est.time['dp']:.2f} s exposed"))
+    out.append(f"its matrix products run at {1 / est.gemm_slowdown:.0%} of the "
+               f"{cluster.flops / 1e12:,.0f} TFLOPS peak (roofline at this layout's "
+               f"per-GPU shapes); the step reaches {est.mfu:.0%} MFU")
     mem = est.memory_total
     verdict = "fits in" if est.fits else "does not fit in"
     out.append(f"{_gb(mem)} per GPU {verdict} {_gb(est.gpu_memory)} (activations "

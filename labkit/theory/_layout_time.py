@@ -1,14 +1,18 @@
-"""When a layout's data-parallel bytes can go, and how long its pipeline idles."""
+"""When a layout's data-parallel bytes can go, what its collectives pay in
+latency, and how long its pipeline idles."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from labkit.theory.collective_cost import latency_steps
 from labkit.theory.pipeline import pipeline_bubble
 from labkit.theory.zero import zero_traffic
 
 if TYPE_CHECKING:
+    from labkit.theory._layout_cluster import Cluster
     from labkit.theory._layout_cost import Layout
+    from labkit.theory.models import ModelConfig
 
 
 def dp_phases_of(psi: float, n: int, stage: int, m: int,
@@ -47,3 +51,95 @@ def bubble_fraction(lay: Layout) -> float:
     if lay.dualpipe:
         return (lay.pp / 2 - 1) / (3 * lay.microbatches)
     return pipeline_bubble(lay.pp, lay.microbatches, lay.interleave).of_ideal
+
+
+def ring_latency(op: str, n: int, nodes: int, alpha_intra: float,
+                 alpha_inter: float) -> float:
+    """The α part of one ring collective over n ranks on `nodes` nodes: its
+    latency_steps(op, n) steps (2(n-1) for all-reduce, n-1 otherwise), of which
+    latency_steps(op, nodes) cross between nodes and pay alpha_inter, the rest
+    alpha_intra (NCCL's ring model, src/graph/tuning.cc)."""
+    if n <= 1:
+        return 0.0
+    inter = latency_steps(op, nodes) if nodes > 1 else 0
+    return (latency_steps(op, n) - inter) * alpha_intra + inter * alpha_inter
+
+
+def group_nodes(lay: Layout, gpn: int) -> dict[str, int]:
+    """Nodes each group spans, ranks numbered with ORDER's first dimension
+    fastest (TP, CP, EP, PP, DP). "dp" is the dense data-parallel group (CP x EP
+    x the rest of DP, where ZeRO shards), "dp_expert" the experts' (CP x the
+    rest). A dimension of stride s puts min(n, gpn / s) of its n ranks in a node."""
+    rest = max(1, lay.dp // lay.ep)
+    deg = {"tp": lay.tp, "cp": lay.cp, "ep": lay.ep, "pp": lay.pp, "dp": rest}
+    stride, s = {}, 1
+    for d in ("tp", "cp", "ep", "pp", "dp"):
+        stride[d], s = s, s * deg[d]
+
+    def nodes(dims):
+        size = per_node = 1
+        for d in dims:
+            size *= deg[d]
+            per_node *= min(deg[d], max(1, gpn // stride[d]))
+        return max(1, -(-size // per_node))
+
+    out = {d: nodes((d,)) for d in ("tp", "cp", "ep", "pp")}
+    # where EP borrows CP ranks (ep > dp) the product overcounts: cap by group size
+    out["dp"] = min(nodes(("cp", "ep", "dp")), lay.dp * lay.cp)
+    out["dp_expert"] = min(nodes(("cp", "dp")), max(1, lay.dp * lay.cp // lay.ep))
+    return out
+
+
+def dp_latency_of(stage: int, n: int, nodes: int, layers: int, m: int,
+                  alpha_intra: float, alpha_inter: float) -> dict[str, float]:
+    """Seconds of α a device pays per step for data parallelism over n ranks,
+    by phase as in dp_phases_of, taking one collective per layer each time the
+    layer's gradients or weights move (FSDP's unit is a layer; DDP's buckets are
+    of the same order): DP all-reduces once per layer, ZeRO-1 reduce-scatters
+    and all-gathers once per layer, ZeRO-2 reduce-scatters per layer and
+    micro-batch, ZeRO-3 gathers forward and backward and reduce-scatters per
+    layer and micro-batch."""
+    out = dict.fromkeys(("end", "start", "backward", "stream"), 0.0)
+    if n <= 1:
+        return out
+
+    def lat(op):
+        return ring_latency(op, n, nodes, alpha_intra, alpha_inter)
+
+    if stage == 0:
+        out["end"] = layers * lat("all_reduce")
+    elif stage == 1:
+        out["end"], out["start"] = layers * lat("reduce_scatter"), layers * lat(
+            "all_gather")
+    elif stage == 2:
+        out["backward"] = m * layers * lat("reduce_scatter")
+        out["start"] = layers * lat("all_gather")
+    else:
+        out["stream"] = m * layers * (2 * lat("all_gather") + lat("reduce_scatter"))
+    return out
+
+
+def latency_of(c: ModelConfig, lay: Layout, cluster: Cluster, stage_layers: int,
+             m: int, full: bool) -> dict:
+    """Seconds of α per step, by dimension (collectives per step x ring_latency);
+    "dp" is a dict by phase (dp_latency_of), dense and expert groups added."""
+    a_in, a_out = cluster.alpha_intra, cluster.alpha_inter
+    nodes = group_nodes(lay, cluster.gpus_per_node)
+
+    def ring(op, d):
+        return ring_latency(op, getattr(lay, d), nodes[d], a_in, a_out)
+
+    moe_layers = -(-(c.layers - c.dense_layers) // lay.pp) if c.experts else 0
+    out = {"tp": (6 if full else 4) * stage_layers * m * ring("all_reduce", "tp"),
+           "cp": (3 if full else 2) * stage_layers * m * ring("all_gather", "cp"),
+           "ep": 4 * moe_layers * m * ring("all_to_all", "ep"),
+           "pp": 0.0}
+    if lay.pp > 1:  # one α per send: activation forward, gradient back, per chunk
+        out["pp"] = 2 * m * lay.interleave * (a_in if nodes["pp"] == 1 else a_out)
+    n = lay.dp * lay.cp
+    out["dp"] = dp_latency_of(lay.zero, n, nodes["dp"], stage_layers, m, a_in, a_out)
+    if c.experts and n // lay.ep > 1:
+        ex = dp_latency_of(lay.zero, n // lay.ep, nodes["dp_expert"], moe_layers, m,
+                           a_in, a_out)
+        out["dp"] = {k: v + ex[k] for k, v in out["dp"].items()}
+    return out

@@ -14,6 +14,12 @@ import dataclasses
 from dataclasses import dataclass
 from itertools import product
 
+from labkit.theory._layout_cluster import (
+    ALPHA_NETWORK,
+    ALPHA_NVLINK,
+    GEMM_EFFICIENCY_A100,
+    HBM_A100,
+)
 from labkit.theory._layout_cost import (
     DIMS,
     Cluster,
@@ -34,11 +40,14 @@ __all__ = ["A100_SELENE", "DEEPSEEK_V3_CLUSTER", "DIMS", "H100_NODE",
 # ------------------------------------------------------------------ clusters
 # H100 SXM: 80 GB HBM3, 989 TFLOPS dense bf16 (NVIDIA H100 datasheet); NVLink 4
 # 450 GB/s per direction per GPU, InfiniBand NDR 400 Gb/s = 50 GB/s per GPU (one
-# NIC per GPU): labkit.comm.hardware.H100_HIERARCHY.
+# NIC per GPU): labkit.comm.hardware.H100_HIERARCHY. HBM 3.35 TB/s, GEMMs at
+# 80.3 % of the peak, α 3.4 us (NVLink) and 14 us (network) per ring step: the
+# defaults of Cluster, each sourced in labkit.theory._layout_cluster.
 H100_NODE = Cluster(80e9, 8, 1, 450e9, 50e9, 989e12, name="one H100 node")
 # Llama Team 2024, "The Llama 3 Herd of Models", sec. 3.3.1: up to 16K H100 80 GB
 # (700 W) in Grand Teton servers of 8, NVLink inside a server, 400 Gb/s RoCE
-# between GPUs; table 4: 38-43 % BF16 MFU.
+# between GPUs; table 4: 38-43 % BF16 MFU (41 % at 16K GPUs and 8K tokens, 38 %
+# at 131K). NCCL's α over RoCE is taken to be its network figure.
 LLAMA3_CLUSTER = dataclasses.replace(H100_NODE, nodes=2048,
                                      name="Llama 3: 16,384 H100 80 GB")
 # DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", sec. 3.1 and 3.2.2: 2048 H800
@@ -50,8 +59,11 @@ DEEPSEEK_V3_CLUSTER = Cluster(80e9, 8, 256, 160e9, 50e9, 989e12,
 # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
 # Clusters Using Megatron-LM", sec. 5: Selene, DGX A100 80 GB nodes of 8, NVLink 3
 # (600 GB/s bidirectional: 300 per direction), 8 x 200 Gb/s HDR InfiniBand per
-# node (25 GB/s per GPU); A100 dense bf16 312 TFLOPS (NVIDIA A100 datasheet).
-A100_SELENE = Cluster(80e9, 8, 192, 300e9, 25e9, 312e12,
+# node (25 GB/s per GPU); A100 dense bf16 312 TFLOPS, HBM2e 2,039 GB/s (NVIDIA
+# A100 datasheet); GEMMs at 86.9 % of the peak (_layout_cluster).
+A100_SELENE = Cluster(80e9, 8, 192, 300e9, 25e9, 312e12, hbm_bw=HBM_A100,
+                      gemm_efficiency=GEMM_EFFICIENCY_A100,
+                      alpha_intra=ALPHA_NVLINK, alpha_inter=ALPHA_NETWORK,
                       name="Selene: 1536 A100 80 GB")
 
 
@@ -255,11 +267,21 @@ def explain(ranked: list[Ranked], published: Layout) -> str:
     if better:
         k = better[0]
         text += f", and less on {_KIND[k]} ({gap[k]:+.2f} s)"
+    if best.layout.schedule != mine.layout.schedule:
+        same = [r for r in ranked if r.layout.schedule == mine.layout.schedule]
+        text += (f". The fastest runs {best.layout.schedule}; among the {len(same)} "
+                 f"layouts on the published schedule ({mine.layout.schedule}) the "
+                 f"published one ranks {same.index(mine) + 1}")
+    if best.layout.recompute != mine.layout.recompute:
+        text += (f". It uses {mine.layout.recompute} recomputation where the "
+                 f"fastest uses {best.layout.recompute}")
     if mine.step_time <= 1.02 * best.step_time:
         text += (". That is within 2 % of the fastest: a tie at this calculator's "
                  "precision")
     mem = mine.estimate.memory_total - best.estimate.memory_total
     text += (f". It uses {abs(mem) / 1e9:,.1f} GB {'more' if mem > 0 else 'less'} "
-             f"memory per GPU. What the calculator cannot see: collective latency over "
-             f"many ranks, smaller matmuls running slower, real overlap, faults.")
+             f"memory per GPU. The calculator prices matrix products by a roofline "
+             f"and collectives by α-β; it does not see elementwise kernels, how well "
+             f"communication really overlaps, stragglers and failures, checkpoints, "
+             f"or FP8.")
     return text

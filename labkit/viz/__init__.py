@@ -9,7 +9,12 @@ pyplot or rcParams; a widget only binds controls to a chart.
     viz.zero_explorer()
 """
 
-from labkit.viz.chooser import StrategyChooser, step_time_bars, strategy_chooser
+from labkit.viz.chooser import (
+    StrategyChooser,
+    gemm_roofline,
+    step_time_bars,
+    strategy_chooser,
+)
 from labkit.viz.diagrams import (
     collective_diagram,
     ring_grid,
@@ -57,6 +62,6 @@ __all__ += ["dp_timeline", "dp_timelines", "dp_traffic"]
 __all__ += ["stage_bars", "steward_grid", "steward_grids"]
 __all__ += ["activation_bars", "activation_chart", "hierarchy_table", "ring_panels",
             "ring_steps_chart", "traffic_by_collective"]
-__all__ += ["StrategyChooser", "step_time_bars", "strategy_chooser"]
+__all__ += ["StrategyChooser", "gemm_roofline", "step_time_bars", "strategy_chooser"]
 __all__ += ["bubble_vs_m", "pipeline_timeline", "pipeline_timelines",
             "schedule_timeline", "schedule_timelines"]

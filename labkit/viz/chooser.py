@@ -6,6 +6,7 @@ Headless like labkit.viz.widgets: set a control's `.value`, then read `.last`
 
 from __future__ import annotations
 
+import dataclasses
 import html
 
 import ipywidgets as W
@@ -59,6 +60,41 @@ def step_time_bars(ranked, *, published=None, top: int = 5) -> Figure:
     return fig
 
 
+def gemm_roofline(cluster: Cluster, gemms: dict, *, title: str = "") -> Figure:
+    """One GPU's roofline (Williams, Waterman & Patterson 2009): attainable
+    TFLOPS against arithmetic intensity (FLOPs per byte of HBM traffic), the
+    roof min(peak x gemm_efficiency, intensity x HBM bandwidth), and each bf16
+    product {label: (m, n, k)} as a point on it."""
+    from labkit.theory._layout_roofline import gemm_time
+
+    peak = cluster.flops * cluster.gemm_efficiency
+    ridge = peak / cluster.hbm_bw
+    pts = {name: (2 * m * n * k / (2 * (m * k + k * n + m * n)),
+                  2 * m * n * k / gemm_time(m, n, k, cluster))
+           for name, (m, n, k) in gemms.items()}
+    xs = [x for x, _ in pts.values()] + [ridge]
+    lo, hi = min(xs) / 4, max(xs) * 4
+    fig, ax = _axes(None, (7.5, 4.0))
+    grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    ax.plot(grid, [min(peak, x * cluster.hbm_bw) / 1e12 for x in grid],
+            color="#333333", label=f"roof: min({peak / 1e12:.0f} TFLOPS, "
+                                   f"intensity x {cluster.hbm_bw / 1e12:.2f} TB/s)")
+    ax.axvline(ridge, color="#999999", ls=":", label=f"ridge: {ridge:.0f} FLOPs/B")
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
+    for (label, (x, y)), c in zip(pts.items(), colors * 4):
+        ax.plot([x], [y / 1e12], "o", color=c, ms=7, label=f"{label}: {x:,.0f} FLOPs/B")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(min(y for _, y in pts.values()) / 1e12 / 3, peak / 1e12 * 3)
+    ax.set_xlabel("arithmetic intensity (FLOPs per byte of HBM traffic)")
+    ax.set_ylabel("attainable TFLOPS")
+    ax.set_title(title or f"Roofline of one GPU ({cluster.flops / 1e12:,.0f} TFLOPS "
+                          f"peak, {cluster.hbm_bw / 1e12:.2f} TB/s HBM)")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
 def _defaults(model: str) -> tuple[int, int, Cluster | None]:
     run = next((r for r in PUBLISHED_RUNS.values() if r.model == model), None)
     if run is not None:
@@ -108,12 +144,16 @@ class StrategyChooser(W.VBox):
         self._draw()
 
     def cluster(self) -> Cluster:
-        """The controls' cluster; its GPU's speed is the model's published run's
-        (A100 for GPT-3, H100/H800 otherwise)."""
+        """The controls' cluster; its GPU (peak, HBM, GEMM efficiency) and
+        latencies are the model's published run's (A100 for GPT-3, H100/H800
+        otherwise)."""
         _, _, cl = _defaults(self.model.value)
-        return Cluster(self.gpu_memory.value * 1e9, self.gpus_per_node.value,
-                       self.nodes.value, self.intra_bw.value * 1e9,
-                       self.inter_bw.value * 1e9, cl.flops if cl else 989e12)
+        return dataclasses.replace(
+            cl or PUBLISHED_RUNS["llama3-405b"].cluster,
+            gpu_memory=self.gpu_memory.value * 1e9,
+            gpus_per_node=self.gpus_per_node.value, nodes=self.nodes.value,
+            intra_bw=self.intra_bw.value * 1e9, inter_bw=self.inter_bw.value * 1e9,
+            name="")
 
     def _on_model(self, change=None) -> None:
         _, _, cl = _defaults(self.model.value)
@@ -150,7 +190,9 @@ class StrategyChooser(W.VBox):
         head = (f"{MODELS[name].name}, {tokens:,} tokens per step of {seq:,}: "
                 f"{len(ranked):,} layouts fit on {cl.gpus:,} GPUs "
                 f"({cl.gpus_per_node} per node, {cl.flops / 1e12:,.0f} TFLOPS "
-                f"bf16 each at {cl.mfu:.0%}).")
+                f"bf16 each, large GEMMs at {cl.gemm_efficiency:.0%} of it; α "
+                f"{cl.alpha_intra * 1e6:.1f} µs per ring step in a node, "
+                f"{cl.alpha_inter * 1e6:.1f} µs between nodes).")
         if published is not None and ranked:
             head += " " + explain(ranked, published)
         if ranked:
