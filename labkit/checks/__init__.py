@@ -16,7 +16,11 @@ from labkit.checks.collectives import (
     check_cheap_reduce_scatter,
 )
 from labkit.checks.common import ExerciseError, check_answer
-from labkit.checks.data_parallel import check_bucket_flush, check_uneven_shards
+from labkit.checks.data_parallel import (
+    check_bucket_flush,
+    check_bytes_per_step,
+    check_uneven_shards,
+)
 from labkit.checks.fsdp import check_peak_share, check_zero3_hooks
 from labkit.checks.memory import check_optimizer_bytes, check_smallest_n
 from labkit.checks.networks import check_moe_combine, check_two_rings
@@ -36,7 +40,7 @@ from labkit.checks.tensor_parallel import (
     check_conjugate_operators,
     check_row_parallel_forward,
 )
-from labkit.checks.zero import SliceSGD, check_zero1_step
+from labkit.checks.zero import SliceSGD, check_zero1_step, check_zero2_peak
 
 __all__ = ["ExerciseError", "SliceSGD", "check_answer", "check_bucket_flush",
            "check_placement", "check_ring_reduce_scatter", "check_uneven_shards",
@@ -48,3 +52,4 @@ __all__ += ["check_all_to_all", "check_bytes_per_rank", "check_cheap_reduce_scat
             "check_sequence_parallel_mlp", "check_smallest_n", "check_two_rings"]
 __all__ += ["check_1f1b_order", "check_in_flight"]
 __all__ += ["check_dp_bytes", "check_peers", "check_ring_seconds"]
+__all__ += ["check_bytes_per_step", "check_zero2_peak"]

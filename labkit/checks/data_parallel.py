@@ -3,6 +3,8 @@ shards of different sizes."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from labkit.checks.common import NOT_YET, PASSED, ExerciseError, run_answer
 
 
@@ -56,25 +58,46 @@ def _bucket_flush_worker(rank, world_size, flush):
     named = dict(model.named_parameters())
     ready = [0] * len(_FLUSH_BUCKETS)
     finishes: list = [None] * len(_FLUSH_BUCKETS)
+    started: list = [None] * len(_FLUSH_BUCKETS)  # async_op of each all-reduce
 
     def on_grad(b, t, param):  # a post-accumulate-grad hook, as DataParallel's
         ready[b] += 1
         if ready[b] == len(_FLUSH_BUCKETS[b]):  # the bucket is full: flush it
-            with t.phase(f"bucket {b}"):
+            with t.phase(f"bucket {b}"), _async_flags() as flags:
                 grads = [named[n].grad for n in _FLUSH_BUCKETS[b]]
                 finishes[b] = flush(grads, world_size)
+            started[b] = flags
 
     with traffic() as t:
         for b, names in enumerate(_FLUSH_BUCKETS):
             for n in names:
                 named[n].register_post_accumulate_grad_hook(partial(on_grad, b, t))
         model(_rows_of(rank, 4)).square().mean().backward()
-        returned = [f if f is None else callable(f) for f in finishes]
-        if all(returned):
+        returned = [True if callable(f) else type(f).__name__ for f in finishes]
+        if all(r is True for r in returned):
             for finish in finishes:  # backward is over: wait for every bucket
                 finish()
     calls = [(r.phase, r.op, r.elements) for r in t.records]
-    return {n: p.grad.clone() for n, p in named.items()}, returned, calls
+    return {n: p.grad.clone() for n, p in named.items()}, returned, calls, started
+
+
+@contextmanager
+def _async_flags():
+    """Note, for each dist.all_reduce called inside, whether it was asynchronous
+    (async_op=True): a flush that waits would hide nothing under backward."""
+    import torch.distributed as dist
+
+    flags, real = [], dist.all_reduce
+
+    def recording(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        flags.append(bool(async_op))
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = recording
+    try:
+        yield flags
+    finally:
+        dist.all_reduce = real
 
 
 def check_bucket_flush(cluster, flush) -> bool:
@@ -94,13 +117,13 @@ def check_bucket_flush(cluster, flush) -> bool:
         return NOT_YET
     local = [_local_grads(_rows_of(r, 4)) for r in range(n)]
     sizes = dict(_small_mlp().named_parameters())
-    for rank, (grads, returned, calls) in enumerate(res):
+    for rank, (grads, returned, calls, started) in enumerate(res):
         for b, ok in enumerate(returned):
             if ok is not True:
                 raise ExerciseError(
-                    f"rank {rank}, bucket {b}: flush returned {ok!r}; it must return "
-                    "a function finish() that waits for the all-reduce and writes "
-                    "the mean back into the gradients")
+                    f"rank {rank}, bucket {b}: flush returned {ok}, not a function; "
+                    "it must return a function finish() that waits for the "
+                    "all-reduce and writes the mean back into the gradients")
         for b, names in enumerate(_FLUSH_BUCKETS):
             mine = [(op, k) for phase, op, k in calls if phase == f"bucket {b}"]
             numel = sum(sizes[name].numel() for name in names)
@@ -114,6 +137,13 @@ def check_bucket_flush(cluster, flush) -> bool:
                 raise ExerciseError(
                     f"rank {rank}, bucket {b}: the all-reduce carried {mine[0][1]} "
                     f"elements, but the bucket's gradients hold {numel}")
+            if False in started[b]:  # (calls we could not see are let be)
+                raise ExerciseError(
+                    f"rank {rank}, bucket {b} ({', '.join(names)}): flush waited for "
+                    "its all-reduce (called without async_op=True), so backward "
+                    "stopped until the bytes arrived and nothing was overlapped. "
+                    "Start it with dist.all_reduce(flat, async_op=True), keep the "
+                    "work it returns, and call work.wait() in finish()")
         for b, names in enumerate(_FLUSH_BUCKETS):
             for name in names:
                 want = sum(local[r][name] for r in range(n)) / n
@@ -145,12 +175,16 @@ def _uneven_sizes(n: int) -> list[int]:
 
 
 def _uneven_worker(rank, world_size, sync):
+    from labkit.ledger import traffic
+
     sizes = _uneven_sizes(world_size)
     model = _small_mlp()
     model(_rows_of(rank, sizes[rank])).square().mean().backward()
     grads = [p.grad for p in model.parameters()]
-    sync(grads, sizes[rank], sum(sizes), world_size)
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+    with traffic() as t:
+        sync(grads, sizes[rank], sum(sizes), world_size)
+    reduced = any(r.op == "all_reduce" for r in t.records)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, reduced
 
 
 def check_uneven_shards(cluster, sync) -> bool:
@@ -171,7 +205,7 @@ def check_uneven_shards(cluster, sync) -> bool:
     sizes = _uneven_sizes(n)
     full = _local_grads(torch.cat([_rows_of(r, sizes[r]) for r in range(n)]))
     local = [_local_grads(_rows_of(r, sizes[r])) for r in range(n)]
-    for rank, grads in enumerate(res):
+    for rank, (grads, reduced) in enumerate(res):
         for name, want in full.items():
             got = grads[name]
             at = _where(got, want)
@@ -191,6 +225,11 @@ def check_uneven_shards(cluster, sync) -> bool:
             elif _close(got, want / n):
                 why = (f"that is 1/{n} of it: the weighted sum is already the mean, "
                        "so do not divide by world_size as well")
+            elif _close(got, local[rank][name]) and reduced:
+                why = ("that is this rank's own gradient: your all-reduce ran, but "
+                       "not on these tensors. Change each gradient in place "
+                       "(g.mul_(...), dist.all_reduce(g)); g = g * w makes a new "
+                       "tensor the model never sees")
             elif _close(got, local[rank][name]):
                 why = "that is this rank's own gradient: no all-reduce reached it"
             else:
@@ -198,4 +237,66 @@ def check_uneven_shards(cluster, sync) -> bool:
             raise ExerciseError(f"{where}; {why}")
     print(f"correct: with shards of {sizes} examples every rank holds the "
           "full-batch gradient")
+    return PASSED
+
+
+_BYTES_KEYS = ("server", "worker", "ring")
+_BYTES_HINTS = {
+    "server": "the server writes the S bytes of new weights to each of the N-1 "
+              "workers (its own copy needs no sending): (N-1)·S",
+    "worker": "a worker writes its own gradient, S bytes, once (to the server)",
+    "ring": "ring all-reduce: 2(N-1) steps of S/N bytes, 2(N-1)/N·S",
+}
+
+
+def _bytes_reference(s: float, n: int) -> dict:
+    return {"server": (n - 1) * s, "worker": s, "ring": 2 * (n - 1) / n * s}
+
+
+def check_bytes_per_step(fn, measured: dict | None = None) -> bool:
+    """Check a student's `fn(S, n)`: bytes each rank WRITES per step when every rank
+    holds S bytes of gradients, as {"server": ..., "worker": ...} for a parameter
+    server (rank 0) and its n-1 workers, and {"ring": ...} for each rank of a ring
+    all-reduce. `measured` maps (S, n) to what the traffic ledger measured there,
+    {"server": b, "worker": [b, ...], "ring": [b, ...]} (per rank), held to 1%
+    (gloo's headers); other sizes are held to the closed forms."""
+    from labkit.checks.common import NOT_WRITTEN, call_answer
+
+    cases = [(s, n, m) for (s, n), m in (measured or {}).items()]
+    cases += [(2 * 7e9, 64, None), (4e6, 2, None), (1.0, 1024, None)]
+    for s, n, seen in cases:
+        got = call_answer(fn, s, n, what="bytes_per_step")
+        if got is NOT_WRITTEN:
+            return NOT_YET
+        where = f"bytes_per_step(S={s:,.6g}, n={n})"
+        if not isinstance(got, dict) or set(got) != set(_BYTES_KEYS):
+            keys = sorted(got) if isinstance(got, dict) else type(got).__name__
+            raise ExerciseError(f"{where} returned {keys}; return a dict with the "
+                                f"keys {list(_BYTES_KEYS)}")
+        want = _bytes_reference(s, n)
+        for key in _BYTES_KEYS:
+            value = got[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ExerciseError(f"{where}[{key!r}] is {value!r}, not a number")
+            if seen is not None:  # against the ledger, rank by rank
+                ranks = seen[key] if isinstance(seen[key], (list, tuple)) else [
+                    seen[key]]
+                for i, b in enumerate(ranks):
+                    if abs(value - b) > 0.01 * b:
+                        who = ("rank 0, the server" if key == "server" else
+                               f"worker {i + 1}" if key == "worker" else f"rank {i}")
+                        raise ExerciseError(
+                            f"{where}[{key!r}] = {value:,.6g} bytes, but the traffic "
+                            f"ledger measured {b:,.6g} written by {who} in section 4"
+                            f". Hint: {_BYTES_HINTS[key]}")
+            if abs(value - want[key]) > 1e-9 * want[key]:
+                why = _BYTES_HINTS[key]
+                if key == "server" and abs(value - n * s) <= 1e-9 * n * s:
+                    why = "that is N·S: the server does not send to itself; " + why
+                if key == "ring" and abs(value - 2 * s) <= 1e-9 * s:
+                    why = "that is 2S, the limit of large N; " + why
+                raise ExerciseError(f"{where}[{key!r}] = {value:,.6g}, expected "
+                                    f"{want[key]:,.6g}. Hint: {why}")
+    print("correct: the server writes (N-1)·S, each worker S, each ring rank "
+          "2(N-1)/N·S" + (", as measured in section 4" if measured else ""))
     return PASSED

@@ -130,7 +130,10 @@ def check_zero1_step(cluster, fn, numel: int = 1021, steps: int = 2) -> bool:
             j = _first_wrong(got["a"], a)
             if j is not None:
                 q, stale = j // s, _same(float(got["a"][j]), float(prev_a[j]))
-                why = ("" if not stale else
+                why = ("; each rank updates a[rank*s:(rank+1)*s] in place (a "
+                       "view of a) with its own slice of the averaged gradient, and "
+                       "the all-gather puts the slices back in rank order"
+                       if not stale else
                        "; it still holds its value from before the step: this rank's "
                        "own update never reached a" if q == rank else
                        f"; it still holds its value from before the step: the "
@@ -144,9 +147,79 @@ def check_zero1_step(cluster, fn, numel: int = 1021, steps: int = 2) -> bool:
             raise ExerciseError(
                 f"rank {rank}: the values are right, but it all-reduced the "
                 "gradient: each rank needs only its own slice of the average, so "
-                "reduce-scatter it (all-reduce then all-gather sends 3(N-1)/N of the "
-                "parameters per step, reduce-scatter then all-gather 2(N-1)/N)")
+                "reduce-scatter it: all-reduce then all-gather sends 3(N-1)/N of the "
+                "parameters per step, reduce-scatter then all-gather 2(N-1)/N (on "
+                "NCCL; gloo's reduce-scatter itself sends all-reduce bytes, which is "
+                "why ShardedOptimizer writes it as an all-to-all)")
     print(f"correct: each rank averaged only its slice of the gradient ({s} of "
           f"{n * s} elements), updated it with its own momentum and all-gathered "
           f"the parameters; {steps} steps match one process to 1e-9")
     return PASSED
+
+
+def _zero2_peak_reference(psi: int, n: int, bucket: int, elem_bytes: int) -> int:
+    return elem_bytes * (-(-psi // n) + bucket)
+
+
+def check_zero2_peak(fn, measured: dict | None = None) -> bool:
+    """Check a student's `fn(psi, n, bucket, elem_bytes)`: the peak of the gradient
+    bytes one rank holds in ZeRO-2, for psi parameters on n ranks, buckets of
+    `bucket` gradient elements (the largest one) and elem_bytes per element.
+    `measured` maps (psi, n, bucket, elem_bytes) to the memory ledger's peak
+    Gradient on rank 0, held exactly; other sizes are held to the closed form: the
+    rank's slice of the averaged gradient, ceil(psi/n) elements, plus one bucket
+    of full gradients in flight."""
+    from labkit.checks.common import NOT_WRITTEN, call_answer
+
+    cases = [(k, v) for k, v in (measured or {}).items()]
+    cases += [((k, None)) for k in ((7_500_000_000, 64, 50_000_000, 2),
+                                    (1021, 4, 100, 4), (10, 3, 4, 2))]
+    for (psi, n, bucket, eb), seen in cases:
+        got = call_answer(fn, psi, n, bucket, eb, what="peak_gradient_bytes")
+        if got is NOT_WRITTEN:
+            return NOT_YET
+        where = f"peak_gradient_bytes(psi={psi:,}, n={n}, bucket={bucket:,}, " \
+                f"elem_bytes={eb})"
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            raise ExerciseError(f"{where} returned {got!r}, not a number of bytes")
+        want = _zero2_peak_reference(psi, n, bucket, eb)
+        if seen is not None and got != seen:
+            raise ExerciseError(
+                f"{where} = {got:,.6g} bytes, but the memory ledger measured a peak "
+                f"of {seen:,} bytes of Gradient on rank 0"
+                + _zero2_why(fn))
+        if abs(got - want) > 1e-9 * want:
+            raise ExerciseError(f"{where} = {got:,.6g}, expected {want:,}"
+                                + _zero2_why(fn))
+    print("correct: a ZeRO-2 rank's gradients peak at its slice, ceil(Ψ/N) elements, "
+          "plus one bucket of full gradients in flight"
+          + (" — as measured" if measured else ""))
+    return PASSED
+
+
+def _zero2_why(fn) -> str:
+    """Name the mistake from fn's answer at sizes where every likely mistake gives
+    a different number (the measured sizes do not: there a one-layer bucket and a
+    rank's slice are the same size)."""
+    psi, n, bucket, eb = 1021, 4, 100, 2
+    try:
+        got = fn(psi, n, bucket, eb)
+    except Exception:  # noqa: BLE001  (the main check reports it)
+        return ""
+    known = {**dict.fromkeys((eb * -(-psi // n), eb * psi / n, eb * (psi // n)),
+                             "that is the slice alone: while backward fills a "
+                             "bucket, the full gradients of that bucket are held "
+                             "too, until it is reduced"),
+             eb * psi: "that is every gradient: ZeRO-2 frees each bucket once it is "
+             "sent",
+             **dict.fromkeys((eb * (psi / n + bucket), eb * (psi // n + bucket)),
+                             "close: the slice is ceil(psi/n) elements (the flat "
+                             "buffer is padded to n equal slices)"),
+             **dict.fromkeys((-(-psi // n) + bucket, psi / n + bucket,
+                              psi // n + bucket),
+                             "that counts elements: multiply by elem_bytes")}
+    for value, why in known.items():
+        if isinstance(got, (int, float)) and abs(got - value) <= 1e-9 * value:
+            return f"; {why}"
+    return (". Hint: this rank's slice of the averaged gradient, plus the one bucket "
+            "of full gradients backward is filling")
