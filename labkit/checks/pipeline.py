@@ -1,51 +1,34 @@
 """Chapter 10's checks: the 1F1B order of passes on one stage, and how many
 micro-batches' activations each stage holds at its peak. Both run the student's
-function on every rank of the cluster and name the rank, the step or the case
-that is wrong, with what was expected."""
+function on every rank (common.run_answer: a stub is "not written yet", an
+exception is told by rank and the student's line, a hang in seconds by where
+each rank waits) and name the rank, the step or the case that is wrong, with
+what was expected. Only a right order then drives a real pipeline step."""
 
 from __future__ import annotations
 
-import traceback
+from labkit.checks.common import (
+    NOT_YET,
+    PASSED,
+    ExerciseError,
+    compare,
+    run_answer,
+)
 
-from labkit.checks.common import NOT_YET, PASSED, ExerciseError
-from labkit.runtime.results import CollectiveTimeout, RankError
-
-TIMEOUT = 20.0  # seconds: a hang is reported, not waited for
-WIDTH, ROWS = 5, 12  # the small model the checks train
+WIDTH, ROWS = 5, 12  # the small model the checks train: 8 layers, 12 rows
 
 
-def _run(cluster, worker, *args, what: str):
-    """cluster.run with a short timeout; None (after saying so) while the answer
-    still raises NotImplementedError; a failure becomes an ExerciseError."""
+def _run(cluster, worker, *args, what: str, case: str):
+    """common.run_answer, with the case that ran ("p=4, m=6") leading its error."""
     try:
-        return cluster.run(worker, *args, timeout=TIMEOUT)
-    except CollectiveTimeout as err:
-        raise ExerciseError(
-            f"the ranks were still running after {TIMEOUT:g} s (a pipeline waiting "
-            f"for a pass that never comes); {what} must give every rank a list it "
-            "can finish\n" + "\n".join(f"rank {r}: {b}" for r, b in
-                                        sorted(err.busy.items()))) from None
-    except RankError as err:
-        excs = err.exceptions
-        if excs and all(isinstance(e, NotImplementedError) for e in excs.values()):
-            print("not written yet: replace `raise NotImplementedError` with your "
-                  f"{what}, then run this cell again")
-            return None
-        first = str(err).split("\n")[0]  # the check's own failure, said briefly
-        raise ExerciseError(f"the check could not run your {what}: {first}") from None
+        return run_answer(cluster, worker, *args, what=what)
+    except ExerciseError as err:
+        raise ExerciseError(f"{case}: {err}") from None
 
 
-def _call(fn, *args):
-    """("ok", value) or ("raised", "Type: message (line N)"); NotImplementedError
-    propagates (the answer is not written yet)."""
-    try:
-        return "ok", fn(*args)
-    except NotImplementedError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any mistake is reported, not raised
-        tb = traceback.extract_tb(e.__traceback__)
-        where = f" (line {tb[-1].lineno})" if len(tb) > 1 else ""
-        return "raised", f"{type(e).__name__}: {e}{where}"
+def _shown(value, limit: int = 60) -> str:
+    s = repr(value)
+    return s if len(s) <= limit else s[:limit] + "…"
 
 
 def _model():
@@ -69,47 +52,58 @@ def _grads(model_or_stage) -> dict:
     return {k: p.grad.detach().clone() for k, p in model_or_stage.named_parameters()}
 
 
+def _sizes(p: int, m: int) -> None:
+    if not 1 <= p <= 8:
+        raise ValueError(f"these checks split an 8-layer model: they need 1 to 8 "
+                         f"ranks, not {p}")
+    if m < 1 or ROWS % m:
+        raise ValueError(f"m = {m} micro-batches do not split the check's {ROWS} "
+                         "rows evenly: use m = 1, 2, 3, 4, 6 or 12")
+
+
 # ---------------------------------------------------------------- exercise 1
 
 
 def _normalise(order):
-    """The answer as [(kind, microbatch)], or a message saying what is wrong."""
+    """The answer as [(kind, microbatch)], or a message saying what is wrong
+    (runs on the rank: only plain values travel back)."""
     if not isinstance(order, (list, tuple)):
-        return None, (f"returned {order!r} ({type(order).__name__}); return a list "
-                      "of ('F', i) and ('B', i) pairs")
+        return None, (f"your function returned {_shown(order)} "
+                      f"({type(order).__name__}); return a list of ('F', i) and "
+                      "('B', i) pairs")
     out = []
     for k, step in enumerate(order):
-        ok = (isinstance(step, (list, tuple)) and len(step) >= 2
+        ok = (isinstance(step, (list, tuple)) and len(step) == 2
               and step[0] in ("F", "B") and isinstance(step[1], int)
               and not isinstance(step[1], bool))
         if not ok:
-            return None, (f"step {k} is {step!r}; each step is a pair such as "
-                          "('F', 0) (forward of micro-batch 0) or ('B', 0)")
-        out.append((step[0], step[1]))
+            return None, (f"step {k} is {_shown(step)} ({type(step).__name__}); "
+                          "each step is a pair such as ('F', 0) (forward of "
+                          "micro-batch 0) or ('B', 0)")
+        out.append((step[0], int(step[1])))
     return out, None
 
 
 def _order_worker(rank, world_size, fn, m):
-    import torch
-    import torch.distributed as dist
+    from labkit.parallel.pipeline_schedules import stage_order
+
+    order, problem = _normalise(fn(world_size, m, rank))
+    want = [(a.kind, a.microbatch) for a in stage_order("1f1b", world_size, m, rank)]
+    return {"order": order, "problem": problem, "want": want}
+
+
+def _pipeline_worker(rank, world_size, orders, m):
+    """One real pipeline step of the small model, stage `rank` in `orders[rank]`."""
     import torch.nn.functional as F
 
     from labkit.parallel.pipeline_parallel import PipelineParallel
-    from labkit.parallel.pipeline_schedules import Action, stage_order
+    from labkit.parallel.pipeline_schedules import Action
 
-    status, value = _call(fn, world_size, m, rank)
-    order, problem = _normalise(value) if status == "ok" else (None, value)
-    want = [(a.kind, a.microbatch) for a in stage_order("1f1b", world_size, m, rank)]
-    right = torch.tensor([int(order == want)])
-    dist.all_reduce(right, op=dist.ReduceOp.MIN)  # run it only if every rank can
-    out = {"status": status, "problem": problem, "order": order, "want": want}
-    if right.item():
-        x, y = _batch()
-        pipe = PipelineParallel(_model(), microbatches=m, loss_fn=F.mse_loss)
-        pipe.order = [Action(k, i) for k, i in order]  # the student's order runs
-        pipe.step(x, y)
-        out.update(grads=_grads(pipe.module), in_flight=pipe.peak_in_flight)
-    return out
+    x, y = _batch()
+    pipe = PipelineParallel(_model(), microbatches=m, loss_fn=F.mse_loss)
+    pipe.order = [Action(k, i) for k, i in orders[rank]]  # the student's order runs
+    pipe.step(x, y)
+    return {"grads": _grads(pipe.module), "in_flight": pipe.peak_in_flight}
 
 
 def _explain(p: int, m: int, rank: int, k: int) -> str:
@@ -123,48 +117,51 @@ def _explain(p: int, m: int, rank: int, k: int) -> str:
     return "once every forward has run, the remaining backwards follow, in order"
 
 
+def _order_problem(p: int, m: int, rank: int, r: dict) -> str | None:
+    """What is wrong with one rank's order, or None."""
+    where = f"rank {rank} (stage {rank} of {p}, m={m})"
+    if r["problem"]:
+        return f"{where}: {r['problem']}"
+    got, want = r["order"], r["want"]
+    for k, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            return (f"{where}, step {k}: expected {w}, got {g}. "
+                    f"Hint: {_explain(p, m, rank, k)}")
+    if len(got) == len(want):
+        return None
+    more = (f"{len(got) - len(want)} steps too many, from step {len(want)}: "
+            f"{got[len(want)]}" if len(got) > len(want) else
+            f"it stops after {len(got)} of {len(want)} steps; next: "
+            f"{want[len(got)]}")
+    return (f"{where}: {more}. Every micro-batch has one F and one B on every "
+            f"stage: {2 * m} steps")
+
+
 def check_1f1b_order(cluster, fn, m: int = 6) -> bool:
     """Check `fn(p, m, rank)`: stage `rank`'s 1F1B order for m micro-batches, a
     list of ("F", i) and ("B", i). Each rank computes its own; the first wrong
     step is named. A right answer then drives a real pipeline step on the ranks,
     whose gradients must be one process's."""
-    import torch
     import torch.nn.functional as F
 
     p = cluster.world_size
-    res = _run(cluster, _order_worker, fn, m, what="1F1B order")
+    _sizes(p, m)
+    res = _run(cluster, _order_worker, fn, m, what="1F1B order", case=f"p={p}, m={m}")
     if res is None:
         return NOT_YET
     for rank, r in enumerate(res):
-        if r["status"] == "raised":
-            raise ExerciseError(f"rank {rank} (stage {rank} of {p}, m={m}): your "
-                                f"function raised {r['problem']}")
-        if r["problem"]:
-            raise ExerciseError(f"rank {rank} (stage {rank} of {p}, m={m}): "
-                                f"{r['problem']}")
-        got, want = r["order"], r["want"]
-        for k, (g, w) in enumerate(zip(got, want)):
-            if g != w:
-                raise ExerciseError(
-                    f"rank {rank} (stage {rank} of {p}, m={m}), step {k}: expected "
-                    f"{w}, got {g}. Hint: {_explain(p, m, rank, k)}")
-        if len(got) != len(want):
-            more = (f"{len(got) - len(want)} steps too many, from step "
-                    f"{len(want)}: {got[len(want)]}" if len(got) > len(want) else
-                    f"it stops after {len(got)} of {len(want)} steps; next: "
-                    f"{want[len(got)]}")
-            raise ExerciseError(f"rank {rank} (stage {rank} of {p}, m={m}): {more}. "
-                                "Every micro-batch has one F and one B on every "
-                                f"stage: {2 * m} steps")
+        if (problem := _order_problem(p, m, rank, r)) is not None:
+            raise ExerciseError(problem)
+    ran = cluster.run(_pipeline_worker, [r["order"] for r in res], m)
     model, (x, y) = _model(), _batch()
     F.mse_loss(model(x), y).backward()
     ref = _grads(model)
-    for rank, r in enumerate(res):
-        for name, g in r["grads"].items():
-            if not torch.allclose(g, ref[name], rtol=1e-5, atol=1e-7):
-                raise ExerciseError(f"rank {rank}: the order is right but the "
-                                    f"gradient of {name} is not one process's")
-    held = [r["in_flight"] for r in res]
+    for rank, r in enumerate(ran):
+        for name, g in r["grads"].items():  # micro-batch sums: rounding, not 1e-9
+            compare(f"rank {rank}: the order is right, but the gradient of {name}",
+                    g, ref[name], rel=1e-5, atol=1e-7,
+                    hint="the pipeline step should give one process's gradients")
+    held = [r["in_flight"] for r in ran]
     print(f"correct: every stage's {2 * m} passes in 1F1B order; run on {p} real "
           f"ranks they give one process's gradients, holding at most {held} "
           "micro-batches by stage")
@@ -176,7 +173,14 @@ def check_1f1b_order(cluster, fn, m: int = 6) -> bool:
 CASES = (("gpipe", 2), ("gpipe", 6), ("1f1b", 2), ("1f1b", 6))
 
 
-def _in_flight_worker(rank, world_size, fn):
+def _predict_worker(rank, world_size, fn, schedule, m):
+    guess = fn(schedule, world_size, m, rank)
+    if guess is None or isinstance(guess, (bool, int, float, str)):
+        return {"value": guess}
+    return {"shown": f"{_shown(guess)} ({type(guess).__name__})"}
+
+
+def _measure_worker(rank, world_size):
     import torch.nn.functional as F
 
     from labkit.parallel.pipeline_parallel import PipelineParallel
@@ -187,8 +191,7 @@ def _in_flight_worker(rank, world_size, fn):
         pipe = PipelineParallel(_model(), microbatches=m, loss_fn=F.mse_loss,
                                 schedule=schedule)
         pipe.step(x, y)
-        out[schedule, m] = (pipe.peak_in_flight,
-                            _call(fn, schedule, world_size, m, rank))
+        out[schedule, m] = pipe.peak_in_flight
     return out
 
 
@@ -197,25 +200,31 @@ def check_in_flight(cluster, fn) -> bool:
     stage `stage` of p holds at its peak under "gpipe" or "1f1b". It is compared,
     on every rank, with what that rank's real pipeline step held."""
     p = cluster.world_size
-    res = _run(cluster, _in_flight_worker, fn, what="prediction")
-    if res is None:
-        return NOT_YET
+    _sizes(p, 1)
+    guesses = {}
+    for schedule, m in CASES:
+        res = _run(cluster, _predict_worker, fn, schedule, m, what="prediction",
+                   case=f"{schedule}, p={p}, m={m}")
+        if res is None:
+            return NOT_YET
+        guesses[schedule, m] = list(res)
+    measured = cluster.run(_measure_worker)
     for (schedule, m) in CASES:
-        for rank, r in enumerate(res):
-            measured, (status, guess) = r[schedule, m]
+        for rank, r in enumerate(guesses[schedule, m]):
+            held = measured[rank][schedule, m]
             case = f"{schedule}, p={p}, m={m}, stage {rank}"
-            if status == "raised":
-                raise ExerciseError(f"{case}: your function raised {guess}")
-            if isinstance(guess, bool) or not isinstance(guess, int):
+            guess = r.get("value")
+            if "shown" in r or isinstance(guess, bool) or not isinstance(guess, int):
                 raise ExerciseError(f"{case}: expected a whole number of "
-                                    f"micro-batches, got {guess!r}")
-            if guess != measured:
+                                    f"micro-batches (an int), got "
+                                    f"{r.get('shown') or _shown(guess)}")
+            if guess != held:
                 hint = ("GPipe runs every forward before the first backward" if
                         schedule == "gpipe" else
                         "stage s runs p-1-s forwards, then one more before its "
                         "first backward frees one; never more than m")
                 raise ExerciseError(f"{case}: you predicted {guess}, the rank held "
-                                    f"{measured} at its peak. Hint: {hint}")
+                                    f"{held} at its peak. Hint: {hint}")
     print(f"correct: on all {p} ranks, for GPipe and 1F1B with m = 2 and 6, your "
           "prediction is what each stage held")
     return PASSED
