@@ -10,6 +10,7 @@ _forkserver.prewarm()  # the rank forkserver imports torch while this process do
 
 from labkit.runtime import (  # noqa: E402
     Cluster,
+    ClusterClosed,
     CollectiveTimeout,
     RankError,
     RankResults,
@@ -21,6 +22,7 @@ from labkit.runtime import (  # noqa: E402
 __version__ = "0.1.0"
 __all__ = [
     "Cluster",
+    "ClusterClosed",
     "CollectiveTimeout",
     "RankError",
     "RankResults",

@@ -263,9 +263,16 @@ def test_close_and_context_manager_end_every_rank():
         pids = list(c.pids.values())
         assert all(alive(p) for p in pids)
     assert not wait_gone(pids, 2.0)
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(labkit.ClusterClosed,
+                       match=r"closed .* cluster = labkit\.Cluster\(3\)"):
         c.run(_rank_and_size)
     c.close()  # twice is fine
+    # a check re-run after a chapter's last cell closed its cluster says so
+    from labkit.checks import ExerciseError
+    from labkit.checks.common import run_answer
+
+    with pytest.raises(ExerciseError, match=r"needs running ranks, but this Cluster"):
+        run_answer(c, _rank_and_size)
 
 
 @pytest.mark.parametrize("backend, world_size, gpus, chosen", [

@@ -27,7 +27,7 @@ from labkit.checks.explain import (
     student_frame,
 )
 from labkit.checks.watch import watched
-from labkit.runtime.results import CollectiveTimeout, RankError
+from labkit.runtime.results import ClusterClosed, CollectiveTimeout, RankError
 
 SHORT_TIMEOUT = 5.0  # seconds: a check's ranks do tiny work; longer is a deadlock
 
@@ -77,7 +77,10 @@ def run_answer(cluster, worker, *args, what: str = "answer",
     answer still raises NotImplementedError. An exception or a deadlock becomes
     an ExerciseError that says what happened on which rank, at which line."""
     modules = {getattr(f, "__module__", None) for f in (worker, *args) if callable(f)}
-    cluster.run(_prepare, sorted(modules - {None, "__main__"}))  # normal timeout
+    try:
+        cluster.run(_prepare, sorted(modules - {None, "__main__"}))  # normal timeout
+    except ClusterClosed as err:  # e.g. a chapter's last cell closed it
+        raise ExerciseError(f"the check needs running ranks, but {err}") from None
     try:
         return cluster.run(watched, worker, *args, timeout=timeout)
     except CollectiveTimeout as err:

@@ -11,8 +11,13 @@ library, torch and cloudpickle.
 
 from labkit.runtime.cluster import Cluster, default_cluster, run
 from labkit.runtime.progress import progress
-from labkit.runtime.results import CollectiveTimeout, RankError, RankResults
+from labkit.runtime.results import (
+    ClusterClosed,
+    CollectiveTimeout,
+    RankError,
+    RankResults,
+)
 from labkit.runtime.results_io import ResultsError, load_results
 
-__all__ = ["Cluster", "CollectiveTimeout", "RankError", "RankResults",
+__all__ = ["Cluster", "ClusterClosed", "CollectiveTimeout", "RankError", "RankResults",
            "ResultsError", "default_cluster", "load_results", "progress", "run"]

@@ -37,7 +37,7 @@ from labkit.runtime.call import Collector, pack_call
 from labkit.runtime.forkserver import select_one
 from labkit.runtime.messages import Hello, JoinFailed, RankSpec
 from labkit.runtime.output import RankOutput
-from labkit.runtime.results import RankResults
+from labkit.runtime.results import ClusterClosed, RankResults
 
 START_TIMEOUT = 120.0  # first start waits for the forkserver's torch import
 _DEFAULT = object()
@@ -104,7 +104,9 @@ class Cluster:
         payload = pack_call(fn, args, kwargs)
         with self._lock:  # one call at a time: a call from a thread waits its turn
             if self._closed:
-                raise RuntimeError("this Cluster is closed; create a new one")
+                raise ClusterClosed(
+                    "this Cluster is closed (cluster.close() stopped its ranks); "
+                    f"start another: cluster = labkit.Cluster({self.world_size})")
             try:
                 self._ensure_running()
                 self._calls += 1

@@ -33,6 +33,13 @@ class RankError(RuntimeError):
         return [f"{type(self).__name__}: {self}"]
 
 
+class ClusterClosed(RuntimeError):
+    """`run` on a Cluster that `close()` (or the end of a `with` block) stopped."""
+
+    def _render_traceback_(self):  # a one-line message in a notebook, no frames
+        return [f"{type(self).__name__}: {self}"]
+
+
 class CollectiveTimeout(RankError, TimeoutError):
     """Some ranks were still busy after `timeout` seconds (usually a collective that
     not every rank called). ``busy`` says where each was waiting."""
