@@ -130,3 +130,35 @@ def test_ci_installs_debians_chromium_and_a_cjk_font_never_a_downloaded_one():
         code = [ln.split("#")[0] for ln in (ROOT / name).read_text().splitlines()]
         assert not any("playwright install" in ln for ln in code), name
     assert "fonts-wqy-microhei" in (ROOT / "README.md").read_text()
+
+
+def _glossary(path) -> list[tuple[str, str]]:
+    """(English, 中文) pairs of a chapter's glossary table, a row "a / b | x / y"
+    split into its terms, a parenthesis in the English dropped."""
+    pairs = []
+    for cell in json.loads(path.read_text())["cells"]:
+        text = "".join(cell["source"])
+        if cell["cell_type"] != "markdown" or "| English | 中文 |" not in text:
+            continue
+        for line in text.split("| English | 中文 |", 1)[1].splitlines():
+            m = re.fullmatch(r"\|\s*(.+?)\s*\|\s*(.+?)\s*\|\s*", line)
+            if not m or set(m[1]) <= set("-: "):
+                continue
+            en = [re.sub(r"\s*\(.*?\)", "", e).strip().lower()
+                  for e in m[1].split(" / ")]
+            zh = [z.strip() for z in m[2].split(" / ")]
+            pairs += zip(en, zh) if len(en) == len(zh) else [(m[1].lower(), m[2])]
+    return pairs
+
+
+def test_every_chapter_has_a_glossary_and_a_term_has_one_translation():
+    seen: dict[str, tuple[str, str]] = {}
+    for path in NOTEBOOKS:
+        pairs = _glossary(path)
+        assert len(pairs) >= 5, f"{path.name}: no glossary (| English | 中文 |)"
+        for en, zh in pairs:
+            first = seen.setdefault(en, (zh, path.name))
+            assert first[0] == zh, (f"{en!r} is {first[0]} in {first[1]} but {zh} "
+                                    f"in {path.name}")
+        assert "规约" not in path.read_text(), f"{path.name}: 归约, not 规约"
+    assert len(seen) > 100
