@@ -451,3 +451,36 @@ def test_a_check_result_shows_nothing_in_a_notebook():
     assert PASSED and not NOT_YET
     assert isinstance(PASSED, Checked) and PASSED._ipython_display_() is None
     assert repr(NOT_YET) == "Checked(passed=False)"
+
+
+def _misspelt_mode():
+    from labkit.theory.placement import Placement
+
+    return Placement("Replicated", "sharded")  # ValueError, raised in __post_init__
+
+
+def test_generated_code_is_never_the_students_line():
+    from labkit.checks.common import call_answer
+    from labkit.checks.explain import student_frame
+
+    # a dataclass's __init__ is compiled from a string: "<string>", line 10
+    import labkit.theory.placement as placement
+
+    frames = [(_CELL, 3, "my_answer"), ("<string>", 10, "__init__"),
+              (placement.__file__, 80, "__post_init__")]
+    assert student_frame(frames) == (_CELL, 3, "my_answer")
+    frozen = [(_CELL, 5, "f"), ("<frozen importlib._bootstrap>", 1360, "_load")]
+    assert student_frame(frozen) == (_CELL, 5, "f")
+    assert student_frame([("<string>", 10, "__init__")]) is None
+    typed = [("<ipython-input-3-abc>", 2, "f"), ("<string>", 10, "__init__")]
+    assert student_frame(typed) == ("<ipython-input-3-abc>", 2, "f")
+    # the repro: a mode spelt in lower case, raised through the generated __init__
+    line = _line_of(_misspelt_mode, 'Placement("Replicated", "sharded")')
+    with pytest.raises(checks.ExerciseError) as e:
+        call_answer(_misspelt_mode, what="placement")
+    msg = str(e.value)
+    assert msg.startswith("your placement raised ValueError: O must be one of")
+    assert msg.endswith(f"at line {line} of test_checks.py, in _misspelt_mode: "
+                        '`return Placement("Replicated", "sharded")  # ValueError, '
+                        "raised in __post_init__`")
+    assert "<string>" not in msg

@@ -93,3 +93,31 @@ def test_offloaded_optimizer_state_never_occupies_the_device():
     cost = theory.PLACEMENTS["ZeRO-Offload"].cost(1e9, 8)
     assert cost.persistent["O"] == 0 and cost.peak["O"] == 0
     assert cost.pcie == (2 + 2) * 1e9 / 8
+
+
+def test_parameters_materialized_from_a_sharded_master_copy_are_gathered():
+    # P Materialized keeps no parameters between steps; with O Sharded the only
+    # copy of the weights is each device's 1/N of the fp32 master, so building a
+    # layer's whole parameters (forward, and again in backward) is an all-gather
+    # of the others' shards: ZeRO-3's traffic, without its persistent shard of P
+    mat = theory.Placement("Materialized", "Sharded", "Sharded", "Replicated")
+    z3 = theory.PLACEMENTS["ZeRO-3"]
+    assert mat.gathers_parameters() and z3.gathers_parameters()
+    assert mat.check().ok
+    cost, ref = mat.cost(1e9, 8), z3.cost(1e9, 8)
+    assert cost.traffic == ref.traffic
+    assert cost.traffic["all_gather (parameters, forward)"] == 7 / 8 * 1e9 * 2
+    assert cost.traffic["all_gather (parameters, backward)"] == 7 / 8 * 1e9 * 2
+    assert cost.persistent["P"] == 0 and cost.peak["P"] == 2e9  # one layer: all
+    # the same from an offloaded (per-device shard on the host) optimizer
+    off = theory.Placement("Materialized", "Offloaded", "Sharded").cost(1e9, 8)
+    assert off.traffic == ref.traffic and off.pcie == (2 + 2) * 1e9 / 8
+    # from a replicated master copy every device casts its own: nothing to gather
+    local = theory.Placement("Materialized", "Replicated", "Replicated")
+    assert not local.gathers_parameters() and local.check().ok
+    assert set(local.cost(1e9, 8).traffic) == {"all_reduce (gradients)"}
+
+
+def test_nothing_to_materialize_parameters_from_is_rejected():
+    v = theory.Placement("Materialized", "Materialized").check()
+    assert not v.ok and "nothing to rebuild them from" in str(v)

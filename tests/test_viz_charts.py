@@ -116,6 +116,37 @@ def test_zero_bars_and_placement_bars_draw_the_numbers():
                                          / 1e9)
 
 
+@pytest.mark.parametrize("kw", [
+    dict(activations=4e9),
+    # chapter 08: the note's fp32 example, one of 32 layers gathered at a time
+    dict(k=8, param_bytes=4, grad_bytes=4, gather_fraction=1 / 32)])
+def test_placement_bars_write_each_total_inside_the_axes(kw):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from labkit import theory
+
+    cost = theory.PLACEMENTS["ZeRO-3"].cost(1e9, 8, **kw)
+    fig = viz.placement_bars(cost)
+    ax = fig.axes[0]
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    totals = [f"{cost.persistent_total / 1e9:,.2f}", f"{cost.peak_total / 1e9:,.2f}"]
+    assert [t.get_text() for t in ax.texts] == totals
+    heights = [p.get_height() for c in ax.containers for p in c.patches]
+    assert sum(heights) == pytest.approx((cost.persistent_total + cost.peak_total)
+                                         / 1e9)
+    # a legend entry for each colour drawn: no activations when there are none
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["parameters", "optimizer", "gradients"] + (
+        ["activations"] if kw.get("activations") else [])
+    box = ax.get_window_extent(renderer)
+    for t in ax.texts:
+        text = t.get_window_extent(renderer)
+        assert box.x0 <= text.x0 and text.x1 <= box.x1, t.get_text()
+        assert box.y0 <= text.y0 and text.y1 <= box.y1, (t.get_text(), text, box)
+
+
 def test_memory_bars_with_named_keys_keep_order_and_labels():
     d = {"Parameter": 4 * MiB, "Optstate": 8 * MiB}
     fig = viz.memory_by_rank({"fp32": d, "bf16 + fp32 master": d, 3: d})

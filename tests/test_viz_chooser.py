@@ -4,6 +4,7 @@ import pytest
 
 from labkit.theory.layouts import PUBLISHED_RUNS, find
 from labkit.viz.chooser import (
+    TIME_LABELS,
     StrategyChooser,
     gemm_roofline,
     step_time_bars,
@@ -17,6 +18,10 @@ def _bar_totals(fig):
     return [sum(col) for col in zip(*parts)]
 
 
+def _legend(fig):
+    return [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+
 def _check_agree(w):
     """Table text, ranking and chart say the same thing."""
     lines = w.value.splitlines()
@@ -27,7 +32,18 @@ def _check_agree(w):
     bars = _bar_totals(w.figure)
     top = [r.step_time for r in w.last[:5]]
     assert bars[:len(top)] == pytest.approx(top)
-    assert len(w.figure.axes[0].get_legend().get_texts()) == 7  # every colour named
+    # every colour drawn is named, and nothing else: each part in the legend has
+    # a bar of more than zero seconds somewhere, each part of the five fastest
+    # that takes any time is there
+    ax = w.figure.axes[0]
+    if not w.last:
+        assert ax.get_legend() is None
+        return
+    assert _legend(w.figure) == [c.get_label() for c in ax.containers]
+    assert all(any(p.get_height() > 0 for p in c.patches) for c in ax.containers)
+    busy = {TIME_LABELS[k] for r in w.last[:5] for k, t in r.estimate.time.items()
+            if t > 0}
+    assert busy <= set(_legend(w.figure))
 
 
 def test_return_type_is_a_widget():
@@ -73,6 +89,7 @@ def test_nothing_fits():
     w.nodes.value = 1
     assert w.last == [] and w.value == "no layout fits"
     assert _bar_totals(w.figure) == []
+    assert w.figure.axes[0].get_legend() is None  # nothing drawn, nothing named
 
 
 def test_step_time_bars_bold_published():
@@ -83,6 +100,28 @@ def test_step_time_bars_bold_published():
     fig = step_time_bars(ranked, published=run.layout, top=3)
     labels = fig.axes[0].get_xticklabels()
     assert len(labels) == 4 and labels[-1].get_fontweight() == "bold"
+
+
+def test_step_time_bars_legend_only_what_is_drawn():
+    # Llama 3 405B's five fastest layouts send nothing exposed between pipeline
+    # stages and have no experts: no PP or EP colour, so no PP or EP legend entry
+    run = PUBLISHED_RUNS["llama3-405b"]
+    from labkit.theory.layouts import choose
+
+    ranked = choose(run.model, run.cluster, run.global_batch_tokens, run.seq)
+    assert all(r.estimate.time["pp"] == 0 == r.estimate.time["ep"]
+               for r in ranked[:5])
+    fig = step_time_bars(ranked)
+    assert _legend(fig) == ["compute", "TP all-reduce (exposed)",
+                            "CP all-gather (exposed)", "DP / ZeRO (exposed)",
+                            "pipeline bubble"]
+    assert _bar_totals(fig) == pytest.approx([r.step_time for r in ranked[:5]])
+    # the published layout (PP 16) does send between stages: then PP is drawn
+    mine = find(ranked, run.layout)
+    assert mine.estimate.time["pp"] > 0
+    fig = step_time_bars(ranked, published=run.layout)
+    assert "PP send (exposed)" in _legend(fig)
+    assert "EP all-to-all (exposed)" not in _legend(fig)
 
 
 def test_gemm_roofline_draws_the_roof_and_each_product():

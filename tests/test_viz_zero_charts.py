@@ -7,6 +7,7 @@ from matplotlib.colors import to_hex
 
 from labkit import viz
 from labkit.units import MiB
+from labkit.viz.style import LabFigure
 from labkit.viz.zero_charts import STATE_COLORS
 
 
@@ -104,3 +105,69 @@ def test_stage_bars_can_write_each_total():
     per_stage = {"a": [{"Optstate": 8 * MiB}, {"Optstate": 0.004 * MiB}]}
     ax = viz.stage_bars(per_stage, totals=True).axes[0]
     assert [t.get_text() for t in ax.texts] == ["8", "0.004"]
+
+
+def _drawn(fig):
+    """The figure laid out and drawn (constrained layout runs at draw time), and
+    its renderer, to read text extents back in display units."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return canvas.get_renderer()
+
+
+# chapter 07's traffic chart: the tallest stack (FSDP2) has a part of zero bytes
+# (all_reduce) on top, which pinned the y-axis to that stack's top
+SENT = {"FSDP": [{"all_gather": 2 * MiB, "all_to_all": 1 * MiB}] * 4,
+        "FSDP2": [{"all_gather": 3 * MiB, "all_to_all": 1 * MiB}] * 4,
+        "DDP\nafter": [{"all_reduce": 2 * MiB}] * 4}
+EXPECTED = {"FSDP": 3 * MiB, "FSDP2": 4 * MiB, "DDP\nafter": 2 * MiB}
+
+
+@pytest.mark.parametrize("totals", [False, True])
+def test_stage_bars_keep_every_expected_line_and_total_inside_the_axes(totals):
+    fig = viz.stage_bars(SENT, EXPECTED, totals=totals)
+    ax = fig.axes[0]
+    renderer = _drawn(fig)
+    lo, hi = ax.get_ylim()
+    ys = {c.get_gid(): c.get_segments()[0][0][1] for c in ax.collections}
+    assert ys == {"FSDP/expected": 3, "FSDP2/expected": 4, "DDP\nafter/expected": 2}
+    assert all(lo < y < hi for y in ys.values()), (ys, (lo, hi))
+    # with room to see the line above the tallest bar: at least 4 points
+    top = ax.transData.transform((0, 4))[1]
+    assert ax.get_window_extent(renderer).y1 - top >= 4 * fig.dpi / 72
+    inside = ax.get_window_extent(renderer)
+    for t in ax.texts:  # the totals, when written, fit under the top spine
+        box = t.get_window_extent(renderer)
+        assert box.y1 <= inside.y1 and box.y0 >= inside.y0, t.get_text()
+
+
+@pytest.mark.parametrize("height", [None, 3.0, 2.4])
+def test_stage_bars_put_the_rank_label_between_ranks_and_stage_names(height):
+    # the stage names hung at a fraction of the axes' height below it: on a
+    # shorter axes they rose into the "rank" label. None: the chart's own figure
+    if height is None:
+        fig = viz.stage_bars(SENT, EXPECTED)
+    else:
+        fig = LabFigure(figsize=(8, height), layout="constrained")
+        viz.stage_bars(SENT, EXPECTED, ax=fig.add_subplot())
+    ax = fig.axes[0]
+    renderer = _drawn(fig)
+    (sec,) = ax.child_axes
+    groups = [t for t in sec.get_xticklabels() if t.get_text()]
+    assert [t.get_text() for t in groups] == ["FSDP", "FSDP2", "DDP\nafter"]
+    label = ax.xaxis.label.get_window_extent(renderer)
+    assert ax.xaxis.label.get_text() == "rank"
+    ranks = [t.get_window_extent(renderer) for t in ax.get_xticklabels()]
+    names = [t.get_window_extent(renderer) for t in groups]
+    for box in ranks + names:
+        assert not label.overlaps(box), (label, box)
+    # top to bottom: the ranks, "rank", the stages' names, a few points apart
+    gap = 4 * fig.dpi / 72
+    assert min(b.y0 for b in ranks) >= label.y1
+    assert label.y0 - max(b.y1 for b in names) >= gap
+    # and all of it on the canvas
+    canvas = fig.bbox
+    for box in [label] + ranks + names:
+        assert canvas.x0 <= box.x0 and box.x1 <= canvas.x1 and canvas.y0 <= box.y0

@@ -21,12 +21,24 @@ _LIBRARY = (os.sep + "torch" + os.sep, os.sep + "site-packages" + os.sep,
 # ------------------------------------------------------------ where it happened
 
 
+# code typed by a person that has no file of its own; every other "<...>" name is
+# code made by a program: "<string>" (a dataclass's or namedtuple's generated
+# __init__), "<frozen importlib._bootstrap>", "<attrs generated init ...>"
+_TYPED = ("<ipython-input", "<stdin>", "<console")
+
+
+def _generated(filename: str) -> bool:
+    return filename.startswith("<") and not filename.startswith(_TYPED)
+
+
 def student_frame(frames):
     """The innermost (file, line, function) that is neither labkit's, torch's nor
-    the standard library's: the student's own code. None if there is none."""
+    the standard library's, nor code generated at run time: the student's own
+    code. None if there is none."""
     for filename, lineno, name in reversed(frames or []):
         path = os.path.abspath(filename) if os.sep in filename else filename
-        if path.startswith(_LABKIT + os.sep) or any(s in path for s in _LIBRARY):
+        if path.startswith(_LABKIT + os.sep) or any(s in path for s in _LIBRARY) \
+                or _generated(filename):
             continue
         return filename, lineno, name
     return None

@@ -92,6 +92,14 @@ class Placement:
         sharded = self._owned_optimizer() or self.G in ("Sharded", "ShardedWithGather")
         return "reduce_scatter" if sharded else "all_reduce"
 
+    def gathers_parameters(self) -> bool:
+        """Whole parameters are rebuilt from 1/N shards each time a layer runs
+        (forward, and again in backward): ShardedWithGather, or Materialized from
+        an optimizer state - the master copy - that each device holds a shard of.
+        Materialized from a replicated optimizer is a local cast: no traffic."""
+        return self.P == "ShardedWithGather" or (
+            self.P == "Materialized" and self._owned_optimizer())
+
     def resolved_param_sync(self) -> str | None:
         if self.param_sync != "auto":
             return self.param_sync
@@ -124,6 +132,12 @@ class Placement:
                 "state consistency: the optimizer is replicated but each device "
                 "holds the reduced gradient of its shard only; the replicas update "
                 "with different gradients")
+        if self.P == "Materialized" and self.O == "Materialized":
+            problems.append(
+                "state consistency: parameters and optimizer state are both "
+                "Materialized, so no device keeps the weights (nor their master "
+                "copy) from one step to the next: there is nothing to rebuild "
+                "them from")
         if self.P == "Sharded":
             problems.append(
                 "parameters are sharded and never gathered: no device can run a "
@@ -169,7 +183,7 @@ class Placement:
             traffic["all_reduce (gradients)"] = 2 * share * grad_bytes
         elif sync == "reduce_scatter":
             traffic["reduce_scatter (gradients)"] = share * grad_bytes
-        if self.P == "ShardedWithGather":
+        if self.gathers_parameters():
             traffic["all_gather (parameters, forward)"] = share * param_bytes
             traffic["all_gather (parameters, backward)"] = share * param_bytes
         if self.resolved_param_sync() == "all_gather":

@@ -34,7 +34,8 @@ TIME_LABELS = {"compute": "compute", "tp": "TP all-reduce (exposed)",
 
 def step_time_bars(ranked, *, published=None, top: int = 5) -> Figure:
     """Stacked bars of each layout's step time (compute, exposed communication by
-    kind, bubble) for the `top` fastest, and the published layout if given."""
+    kind, bubble) for the `top` fastest, and the published layout if given. A kind
+    that takes no time in any bar shown is neither drawn nor in the legend."""
     rows = list(ranked[:top])
     mine = find(ranked, published) if published is not None else None
     if mine is not None and mine not in rows:
@@ -43,6 +44,8 @@ def step_time_bars(ranked, *, published=None, top: int = 5) -> Figure:
     bottom = [0.0] * len(rows)
     for part, color in TIME_COLORS.items():
         h = [r.estimate.time[part] for r in rows]
+        if not any(h):
+            continue
         ax.bar(range(len(rows)), h, bottom=bottom, color=color,
                label=TIME_LABELS[part], width=0.6)
         bottom = [b + x for b, x in zip(bottom, h)]
@@ -56,7 +59,8 @@ def step_time_bars(ranked, *, published=None, top: int = 5) -> Figure:
     ax.set_ylabel("estimated seconds per step")
     ax.set_title("Where each layout's step goes (bold: published)" if mine else
                  "Where each layout's step goes")
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if ax.containers:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 
 

@@ -93,23 +93,28 @@ def activation_chart(config, seqs, *, batch: int = 1, ax=None,
 def placement_bars(cost, *, ax=None, unit: float = 1e9, unit_name: str = "GB",
                    title: str = "Per device: kept between steps vs at the peak"
                    ) -> Figure:
-    """Persistent and peak bytes per training state (labkit.theory.PlacementCost)."""
+    """Persistent and peak bytes per training state (labkit.theory.PlacementCost);
+    a state of no bytes in either bar is left out of the legend."""
     fig, ax = _axes(ax, (5.5, 3.6))
     colors = {"P": CATEGORY_COLORS["Parameter"], "O": CATEGORY_COLORS["Optstate"],
               "G": CATEGORY_COLORS["Gradient"], "A": CATEGORY_COLORS["Activation"]}
     names = {"P": "parameters", "O": "optimizer", "G": "gradients",
              "A": "activations"}
-    for x, what in enumerate(("persistent", "peak")):
-        parts = getattr(cost, what)
-        bottom = 0.0
-        for state in "POGA":
-            h = parts[state] / unit
-            ax.bar(x, h, bottom=bottom, color=colors[state], width=0.55,
-                   label=names[state] if x == 0 else None)
-            bottom += h
-        ax.text(x, bottom, f"{bottom:,.2f}", ha="center", va="bottom", fontsize=9)
+    totals = [0.0, 0.0]  # kept, at the peak
+    for state in "POGA":  # a state with no bytes in either bar: no colour, no name
+        h = [cost.persistent[state] / unit, cost.peak[state] / unit]
+        if not any(h):
+            continue
+        ax.bar([0, 1], h, bottom=totals, color=colors[state], width=0.55,
+               label=names[state])
+        totals = [b + v for b, v in zip(totals, h)]
+    for x, total in enumerate(totals):
+        ax.text(x, total, f"{total:,.2f}", ha="center", va="bottom", fontsize=9)
+    # room above the taller bar for its total: autoscaling counts bars, not text
+    ax.set_ylim(0, 1.15 * (max(totals) or 1.0))
     ax.set_xticks([0, 1], ["kept (persistent)", "at the peak"])
     ax.set_ylabel(unit_name)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if ax.containers:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig

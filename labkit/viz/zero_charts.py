@@ -140,7 +140,7 @@ def stage_bars(per_stage, expected=None, *, colors=None, labels=None, ax=None,
                                for d in ranks.values() for p, b in d.items() if b))
     n_bars = sum(len(r) for r in stages.values())
     fig, ax = _axes(ax, (2.6 + 0.42 * n_bars + 0.4 * len(stages), 3.8))
-    x, ticks, tick_labels, centres = 0.0, [], [], []
+    x, ticks, tick_labels, centres, tops = 0.0, [], [], [], []
     for label, ranks in stages.items():
         xs = [x + i for i in range(len(ranks))]
         bottom = [0.0] * len(xs)
@@ -156,6 +156,7 @@ def stage_bars(per_stage, expected=None, *, colors=None, labels=None, ax=None,
         if expected is not None and expected.get(label) is not None:
             ax.hlines(expected[label] / unit, xs[0] - 0.45, xs[-1] + 0.45,
                       colors="black", linestyles="--", lw=1.2, gid=f"{label}/expected")
+        tops += bottom
         ticks += xs
         tick_labels += [str(r) for r in ranks]
         centres.append((sum(xs) / len(xs), label))
@@ -164,12 +165,23 @@ def stage_bars(per_stage, expected=None, *, colors=None, labels=None, ax=None,
     if expected is not None:
         handles.append(Line2D([], [], color="black", ls="--", lw=1.2))
         names.append(expected_label)
+    # headroom over the tallest bar or line: autoscaling would stop on the top of
+    # the tallest stack, where a part of zero height leaves a sticky edge
+    lines = [expected[k] / unit for k in stages
+             if expected is not None and expected.get(k) is not None]
+    top = max(tops + lines, default=0.0) or 1.0
+    ax.set_ylim(0, top * (1.15 if totals else 1.08))
     ax.set_xticks(ticks, tick_labels, fontsize=8)
-    sec = ax.secondary_xaxis(-0.12)
-    sec.set_xticks([c for c, _ in centres], [lab for _, lab in centres])
-    sec.tick_params(length=0)
-    sec.spines["bottom"].set_visible(False)
     ax.set_xlabel("rank", fontsize=8, labelpad=1)
+    # the stages' names go under the ranks and the "rank" label: an axis on the
+    # bottom spine whose labels sit that many points lower, whatever the height
+    tick = ax.xaxis.get_major_ticks()[0] if ticks else None
+    below = (tick.get_tick_padding() + tick.get_pad() if tick else 7.0) \
+        + 2 * 1.05 * 8 + 1 + 5  # two 8-pt lines (ranks, "rank"), labelpad, gap
+    sec = ax.secondary_xaxis("bottom")
+    sec.set_xticks([c for c, _ in centres], [lab for _, lab in centres])
+    sec.tick_params(length=0, pad=below)
+    sec.spines["bottom"].set_visible(False)
     ax.set_ylabel(ylabel or unit_name)
     ax.set_title(title)
     ax.legend(handles, names, fontsize="small", loc="upper left",
