@@ -484,3 +484,19 @@ def test_generated_code_is_never_the_students_line():
                         '`return Placement("Replicated", "sharded")  # ValueError, '
                         "raised in __post_init__`")
     assert "<string>" not in msg
+
+
+def test_gloo_errors_that_differ_only_in_their_prefix_are_one_line():
+    from labkit.checks.explain import failure_message
+    from labkit.checks.watch import AnswerRaised
+    from labkit.runtime.results import RankError
+
+    frame = [(_CELL, 4, "my_step")]
+    said = ("Check failed: tensors[0].scalar_type() == dtype (Float vs. Double) ")
+    err = RankError("x", failures=dict.fromkeys(range(4), "..."), exceptions={
+        r: AnswerRaised("RuntimeError", f"[rank{r}]:[F1122 17:12:3{r}.12345{r} "
+                        f"ProcessGroupGloo.cpp:1536] {said}", frame) for r in range(4)})
+    (line,) = failure_message(err, "ZeRO-1 step").splitlines()
+    assert line.startswith("ranks 0, 1, 2 and 3: your ZeRO-1 step raised "
+                           "RuntimeError: Check failed: tensors[0].scalar_type()")
+    assert "[rank" not in line and "ProcessGroupGloo" not in line

@@ -68,9 +68,10 @@ def _ranks(rs) -> str:
 _HINTS = (
     ("IndexError", "", "an index past the end: chunk and rank indices run from 0 to "
                        "world_size - 1 (wrap around with % world_size)"),
-    ("RuntimeError", "size", "two tensors of different sizes met: a receive buffer "
-                             "must have exactly as many elements as the send it "
-                             "pairs with"),
+    ("RuntimeError", "size", "two tensors of different sizes met: compare the "
+                             "sizes of what you send and receive, copy into, or add "
+                             "(a receive buffer needs exactly as many elements as "
+                             "the send it pairs with)"),
     ("RuntimeError", "shape", "two tensors of different shapes met: compare the "
                               "shapes of what you send, receive and add"),
     ("RuntimeError", "dtype", "two tensors of different dtypes met: make the buffer "
@@ -94,6 +95,17 @@ def _consequence(message: str) -> bool:
                                 "broken pipe", "connection refused"))
 
 
+# what gloo's C++ checks put in front of a message: "[rank2]:[F1122 17:12:33.1234
+# ProcessGroupGloo.cpp:1536] " (a rank and a time that differ from rank to rank)
+_GLOO_PREFIX = re.compile(r"\[rank\d+\]:\s*(\[[A-Z]\d{4} [\d:.]+ [\w./-]+:\d+\]\s*)?")
+
+
+def _plain(message: str) -> str:
+    """The message without gloo's per-rank prefix, so that ranks with the same
+    error are one line."""
+    return _GLOO_PREFIX.sub("", message)
+
+
 def failure_message(err: RankError, what: str = "answer") -> str:
     """One message for ranks that raised: grouped by error and line, the cause
     before its consequences (a peer's closed connection), then by lowest rank; a
@@ -102,9 +114,9 @@ def failure_message(err: RankError, what: str = "answer") -> str:
     for r in sorted(err.failures):
         e = err.exceptions.get(r)
         if isinstance(e, AnswerRaised):
-            key = (e.type_name, e.message, student_frame(e.frames))
+            key = (e.type_name, _plain(e.message), student_frame(e.frames))
         elif e is not None:
-            key = (type(e).__name__, str(e), None)
+            key = (type(e).__name__, _plain(str(e)), None)
         else:  # the rank died: the failure text says how
             key = ("died", err.failures[r].split(": ", 1)[-1], None)
         groups.setdefault(key, []).append(r)
