@@ -118,3 +118,33 @@ def test_strategy_rows_fsdp_time_and_peak_memory_ratios():
     # without FSDP's figures (an older run) the other rows stand alone
     assert "FullyShardedDataParallel / FSDP2" not in _by_name(
         strategy_rows({k: step[k] for k in list(step)[:4]}, state, 4))
+
+
+def test_roofline_rows_hold_each_product_between_floor_and_roof():
+    """Made-up timings against the calculator's own roofline prices."""
+    from labkit.cli.bench_roofline import cluster_for, roofline_rows, shapes
+    from labkit.theory._layout_roofline import gemm_time
+
+    h100 = cluster_for("NVIDIA H100 80GB HBM3")
+    assert h100 is not None and cluster_for("NVIDIA H800").hbm_bw == h100.hbm_bw
+    assert cluster_for("NVIDIA A100-SXM4-80GB").name.startswith("Selene")
+    assert cluster_for("NVIDIA H200") is None  # no constants: the bench says so
+    price = {label: gemm_time(*mnk, h100) for label, mnk in shapes().items()}
+    assert len(price) == 5 and all(p > 0 for p in price.values())
+    on_roof = roofline_rows(price, h100)
+    assert exit_code(on_roof) == 0 and all(r.value == 1.0 for r in on_roof)
+    slow = roofline_rows({k: v / 0.5 for k, v in price.items()}, h100)
+    assert {r.status for r in slow if r.at_least} == {"short"}  # half the speed
+    fast = roofline_rows({k: v / 1.2 for k, v in price.items()}, h100)
+    assert {r.status for r in fast if not r.at_least} == {"short"}  # beats a bound
+    assert exit_code(slow) == exit_code(fast) == 1
+
+
+def test_roofline_bench_says_it_needs_a_gpu(capsys, monkeypatch):
+    import torch
+
+    from labkit.cli.bench_roofline import bench_roofline
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_roofline() == 2
+    assert "on a CUDA GPU, and this machine has none" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""`python -m labkit ...`: doctor | bench cluster|ring|strategies|model-parallel |
+"""`python -m labkit ...`: doctor | bench cluster|ring|strategies|model-parallel|
+roofline |
 launch FILE.py:FN [ARG...] [--results DIR] | export NOTEBOOK --out FILE.py |
 results DIR... [--chart DIR] | images | clean-notebooks FILES... | student [--run]
 (one module per command)."""
@@ -28,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("doctor", help="versions, backend, and a 2-rank smoke test")
     b = sub.add_parser("bench", help="benchmarks: each figure beside its target; "
                        "exit status 1 when one falls short")
-    b.add_argument("what", choices=["cluster", "ring", "strategies", "model-parallel"])
+    b.add_argument("what", choices=["cluster", "ring", "strategies", "model-parallel",
+                                    "roofline"])
     b.add_argument("--world-size", type=int, default=None,
                    help="ranks (default: 2 for model-parallel, else 4)")
     sub.add_parser("images", help="draw the course's diagrams into images/")
@@ -75,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             from labkit.cli.bench_strategies import bench_strategies
 
             return bench_strategies(n)
+        if args.what == "roofline":  # one GPU, no ranks
+            from labkit.cli.bench_roofline import bench_roofline
+
+            return bench_roofline()
         if args.what == "ring":
             from labkit.cli.bench_ring import bench_ring
 
