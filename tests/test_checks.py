@@ -102,8 +102,8 @@ def test_an_exception_on_one_rank_is_one_message_with_the_students_line(cluster)
         "rank 2: your ring steps raised IndexError: list index out of range at line "
         f"{line} of test_checks.py, in _raises_on_rank_2: "
         "`chunks[rank + world_size] += 1  # IndexError on rank 2 only`. Hint: an "
-        "index past the end: chunk and rank indices run from 0 to world_size - 1 "
-        "(wrap around with % world_size)")
+        "index past the end: indices run from 0 to len - 1 (chunks and ranks: 0 to "
+        "world_size - 1; wrap around with % world_size)")
     assert "Traceback" not in msg and "--- rank" not in msg
 
 
@@ -500,3 +500,11 @@ def test_gloo_errors_that_differ_only_in_their_prefix_are_one_line():
     assert line.startswith("ranks 0, 1, 2 and 3: your ZeRO-1 step raised "
                            "RuntimeError: Check failed: tensors[0].scalar_type()")
     assert "[rank" not in line and "ProcessGroupGloo" not in line
+
+
+def test_a_type_error_gets_the_signature_hint_only_when_about_arguments():
+    from labkit.checks.explain import hint_for
+
+    assert "signature" in hint_for("TypeError", "f() takes 2 positional arguments "
+                                   "but 3 were given")
+    assert hint_for("TypeError", "'float' object is not subscriptable") == ""

@@ -108,10 +108,16 @@ def test_zero_explorer_model_sets_psi_and_text_and_chart_agree():
     # and picking a model again moves the slider back
     w.model.value = "llama3-70b"
     assert w.params.value == theory.param_count("llama3-70b")
-    # a front end rounding the slider (well under one 12% step) keeps the model
-    w.params.value = 1.001 * theory.param_count("llama3-70b")
+    # float noise from the front end keeps the model ...
+    w.params.value = (1 + 1e-12) * theory.param_count("llama3-70b")
     assert w.model.value == "llama3-70b"
     assert w.psi() == theory.param_count("llama3-70b")
+    # ... but a Ψ typed into the readout, even 0.8 % off the model's, is the
+    # student's: 04's exercise types 7e10 with llama3-70b (70.6e9) selected
+    w.n.value, w.stage.value, w.precision.value = 14, 3, "mixed"
+    w.params.value = 7e10
+    assert w.model.value == "custom" and w.psi() == 7e10
+    assert "<b>80.00 GB</b>" in w.info.value and "which fits" in w.info.value
 
 
 def test_zero_explorer_finds_n_that_is_not_a_power_of_two():

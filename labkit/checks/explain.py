@@ -66,8 +66,9 @@ def _ranks(rs) -> str:
 
 
 _HINTS = (
-    ("IndexError", "", "an index past the end: chunk and rank indices run from 0 to "
-                       "world_size - 1 (wrap around with % world_size)"),
+    ("IndexError", "", "an index past the end: indices run from 0 to len - 1 "
+                       "(chunks and ranks: 0 to world_size - 1; wrap around with "
+                       "% world_size)"),
     ("RuntimeError", "size", "two tensors of different sizes met: compare the "
                              "sizes of what you send and receive, copy into, or add "
                              "(a receive buffer needs exactly as many elements as "
@@ -76,8 +77,8 @@ _HINTS = (
                               "shapes of what you send, receive and add"),
     ("RuntimeError", "dtype", "two tensors of different dtypes met: make the buffer "
                               "with torch.empty_like(...) of what it receives"),
-    ("TypeError", "", "a call got arguments it does not take: compare your call with "
-                      "the signature in the exercise"),
+    ("TypeError", "argument", "a call got arguments it does not take: compare "
+                              "your call with the signature in the exercise"),
 )
 
 

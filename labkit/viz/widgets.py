@@ -143,9 +143,10 @@ class ZeroExplorer(W.VBox):
     def _on_params(self, change=None) -> None:
         if self._syncing:
             return
-        # a front end may round the slider's value; a hand's move is >= 12% (a step)
+        # a value typed into the readout (7e10 for a 70.6e9 model: 0.8 % off) or
+        # a slider step (12 %) is the student's own Ψ; only float noise is not
         if self.model.value != "custom" and abs(self.params.value / self.psi()
-                                                 - 1) > 0.01:
+                                                 - 1) > 1e-9:
             self.model.unobserve(self._on_model, names="value")
             self.model.value = "custom"  # a hand-picked Ψ is no longer that model
             self.model.observe(self._on_model, names="value")
