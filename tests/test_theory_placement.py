@@ -2,6 +2,7 @@
 placement-semantics abstract's figures; the correctness conditions."""
 
 import pytest
+import torch
 
 from labkit import theory
 
@@ -109,9 +110,12 @@ def test_parameters_materialized_from_a_sharded_master_copy_are_gathered():
     assert cost.traffic["all_gather (parameters, forward)"] == 7 / 8 * 1e9 * 2
     assert cost.traffic["all_gather (parameters, backward)"] == 7 / 8 * 1e9 * 2
     assert cost.persistent["P"] == 0 and cost.peak["P"] == 2e9  # one layer: all
-    # the same from an offloaded (per-device shard on the host) optimizer
+    # the same from an offloaded (per-device shard on the host) optimizer, whose
+    # CPU step leaves the new weights on the host: they cross PCIe when a layer
+    # runs, forward and backward, as Offloaded P does; gradients come down once
     off = theory.Placement("Materialized", "Offloaded", "Sharded").cost(1e9, 8)
-    assert off.traffic == ref.traffic and off.pcie == (2 + 2) * 1e9 / 8
+    assert off.traffic == ref.traffic and off.pcie == (2 + 2 * 2) * 1e9 / 8
+    assert off == theory.Placement("Offloaded", "Offloaded", "Sharded").cost(1e9, 8)
     # from a replicated master copy every device casts its own: nothing to gather
     local = theory.Placement("Materialized", "Replicated", "Replicated")
     assert not local.gathers_parameters() and local.check().ok
@@ -121,3 +125,77 @@ def test_parameters_materialized_from_a_sharded_master_copy_are_gathered():
 def test_nothing_to_materialize_parameters_from_is_rejected():
     v = theory.Placement("Materialized", "Materialized").check()
     assert not v.ok and "nothing to rebuild them from" in str(v)
+
+
+def test_offloaded_parameters_are_fetched_whole_for_forward_and_backward():
+    # P Offloaded keeps nothing on the device between uses, but a layer runs on all
+    # of its weights: at the peak the device holds the layer being computed, whole.
+    # They reach it for forward and again for backward (ZeRO-Infinity, Rajbhandari
+    # et al. 2021, sec. 4.1: parameters are loaded at least twice per step)
+    psi, n, layer = 1e9, 8, 1 / 10
+    z3 = theory.PLACEMENTS["ZeRO-3"].cost(psi, n, gather_fraction=layer)
+    # beside a sharded optimizer each host keeps the 1/N its device updates: fetched
+    # per pass, the rest all-gathered (ZeRO-3's traffic); the device's step writes
+    # its new 1/N back to the host
+    p = theory.Placement("Offloaded", "Sharded", "Sharded", "Replicated")
+    cost = p.cost(psi, n, gather_fraction=layer)
+    assert p.check().ok and p.resolved_param_sync() is None
+    assert cost.persistent["P"] == 0 and cost.peak["P"] == layer * 2 * psi
+    assert cost.peak["P"] == z3.peak["P"] - z3.persistent["P"] * (1 - layer)
+    assert cost.traffic == z3.traffic
+    assert cost.pcie == (2 + 1) * 2 * psi / n
+    # with the optimizer on the host too (ZeRO-Infinity's CPU offload): gradients
+    # down once, parameters up per pass, and nothing written back
+    inf = theory.Placement("Offloaded", "Offloaded", "Sharded").cost(psi, n)
+    assert inf.traffic == z3.traffic and inf.peak["P"] == 2 * psi
+    assert inf.pcie == (2 + 2 * 2) * psi / n
+    # beside a replicated optimizer every host keeps the whole: no all-gather, the
+    # whole model over PCIe twice, and the whole update written back
+    rep = theory.Placement("Offloaded", "Replicated", "Replicated")
+    cost = rep.cost(psi, n, gather_fraction=layer)
+    assert rep.check().ok and not rep.gathers_parameters()
+    assert set(cost.traffic) == {"all_reduce (gradients)"}
+    assert cost.peak["P"] == layer * 2 * psi and cost.pcie == 3 * 2 * psi
+
+
+def _kept_vs_rebuilt(optimizer_cls, steps=5, **kw):
+    """The same steps with one optimizer kept throughout, and with a new one (its
+    state Materialized: built from nothing) every step."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    start = torch.nn.Linear(8, 4)
+    runs = []
+    for rebuild in (False, True):
+        model = torch.nn.Linear(8, 4)
+        model.load_state_dict(start.state_dict())
+        opt = optimizer_cls(model.parameters(), **kw)
+        for _ in range(steps):
+            if rebuild:
+                opt = optimizer_cls(model.parameters(), **kw)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        runs.append(model.weight.detach().clone())
+    return runs, start.weight.detach()
+
+
+def test_materialized_optimizer_state_breaks_state_consistency():
+    # Adam's m and v are running averages over every step so far: rebuilt from
+    # nothing each step, they give a different update from step 2 on (here off by
+    # about half as much as training moved the weights)
+    (kept, rebuilt), start = _kept_vs_rebuilt(torch.optim.Adam, lr=5e-2)
+    moved = (kept - start).abs().max()
+    assert (rebuilt - kept).abs().max() > 0.05 * moved
+    v = theory.Placement("Replicated", "Materialized").check()
+    assert not v.ok and v.problems[0].startswith("state consistency")
+    assert "m and v" in str(v)
+    for p in ("Offloaded", "ShardedWithGather"):
+        assert not theory.Placement(p, "Materialized", "Sharded").check().ok
+    # plain SGD keeps no state (k = 0): rebuilt or kept, the same steps
+    (kept, rebuilt), _ = _kept_vs_rebuilt(torch.optim.SGD, lr=1e-1)
+    assert torch.equal(kept, rebuilt)
+    assert theory.Placement("Replicated", "Materialized").check(k=0).ok
+    both = theory.Placement("Materialized", "Materialized").check(k=0)
+    assert not both.ok and "nothing to rebuild them from" in str(both)
+    with pytest.raises(ValueError, match="k cannot be negative"):
+        theory.Placement().check(k=-1)

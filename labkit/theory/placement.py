@@ -94,11 +94,13 @@ class Placement:
 
     def gathers_parameters(self) -> bool:
         """Whole parameters are rebuilt from 1/N shards each time a layer runs
-        (forward, and again in backward): ShardedWithGather, or Materialized from
-        an optimizer state - the master copy - that each device holds a shard of.
-        Materialized from a replicated optimizer is a local cast: no traffic."""
+        (forward, and again in backward): ShardedWithGather; Materialized from an
+        optimizer state - the master copy - that each device holds a shard of; or
+        Offloaded beside such an optimizer, each host keeping the 1/N its device
+        updates. From a replicated optimizer every device has the whole: a local
+        cast (Materialized) or a whole copy on its host (Offloaded), no traffic."""
         return self.P == "ShardedWithGather" or (
-            self.P == "Materialized" and self._owned_optimizer())
+            self.P in ("Materialized", "Offloaded") and self._owned_optimizer())
 
     def resolved_param_sync(self) -> str | None:
         if self.param_sync != "auto":
@@ -109,11 +111,15 @@ class Placement:
 
     # the two correctness conditions ---------------------------------------------
 
-    def check(self) -> Verdict:
+    def check(self, *, k: float = 12) -> Verdict:
         """Gradient integrity: every gradient the optimizer applies is reduced over
         the whole global batch. State consistency: after the step every device's
-        view of the parameters is the same. Plus: a data-parallel forward needs the
-        whole of each layer's parameters at some point."""
+        view of the parameters is the same, and the one a single device's update
+        gives. Plus: a data-parallel forward needs the whole of each layer's
+        parameters at some point. `k`: the optimizer's bytes of state per
+        parameter, as in cost(); only k = 0 (no state) may be Materialized."""
+        if k < 0:
+            raise ValueError(f"k cannot be negative, got {k}")
         problems = []
         if self.resolved_grad_sync() is None:
             what = "sharded gradients" if self.G in ("Sharded", "ShardedWithGather") \
@@ -132,6 +138,15 @@ class Placement:
                 "state consistency: the optimizer is replicated but each device "
                 "holds the reduced gradient of its shard only; the replicas update "
                 "with different gradients")
+        if self.O == "Materialized" and k > 0:
+            # Adam's m and v are averages over every step so far, the master copy
+            # the sum of every update: no input rebuilds them, unlike activations
+            problems.append(
+                "state consistency: the optimizer state is Materialized, so it is "
+                "rebuilt from nothing every step, but Adam's m and v (and the fp32 "
+                "master copy) carry every earlier step: each update is not the one "
+                "a single device makes (only a stateless optimizer, k = 0, can be "
+                "Materialized)")
         if self.P == "Materialized" and self.O == "Materialized":
             problems.append(
                 "state consistency: parameters and optimizer state are both "
@@ -173,6 +188,8 @@ class Placement:
                          "Offloaded": gather_fraction * size / n}.get(mode, 0.0)
             if state == "O" and mode == "Offloaded":
                 transient = 0.0  # ZeRO-Offload steps on the CPU: O never comes back
+            if state == "P" and mode == "Offloaded":
+                transient = gather_fraction * size  # a layer runs on all its weights
             if state == "A":  # activations live only inside a step
                 keep, transient = 0.0, keep + transient
             persistent[state], peak[state] = keep, keep + transient
@@ -189,10 +206,21 @@ class Placement:
         if self.resolved_param_sync() == "all_gather":
             traffic["all_gather (parameters, after the step)"] = share * param_bytes
         pcie = 0.0
-        if self.O == "Offloaded":  # gradients down, updated parameters back up
-            pcie += (grad_bytes + param_bytes) * psi / n
-        if self.P == "Offloaded":
-            pcie += 2 * param_bytes * psi / n
+        # P whose only copy is in host memory - Offloaded, or Materialized from an
+        # offloaded master - crosses PCIe each time a layer runs, forward and
+        # backward (ZeRO-Infinity, Rajbhandari et al. 2021, sec. 4.1): a device's
+        # 1/N beside an owned optimizer (the rest is all-gathered), else the whole
+        from_host = self.P == "Offloaded" or (
+            self.P == "Materialized" and self.O == "Offloaded")
+        host_p = param_bytes * psi / (n if self._owned_optimizer() else 1)
+        if from_host:
+            pcie += 2 * host_p
+        if self.O == "Offloaded":  # gradients down to the CPU's step; its updated
+            pcie += grad_bytes * psi / n  # parameters up, unless they wait on the
+            if not from_host:  # host for the next forward
+                pcie += param_bytes * psi / n
+        elif self.P == "Offloaded":  # a step on the device writes P back to the host
+            pcie += host_p
         return PlacementCost(persistent, peak, traffic, pcie)
 
     def describe(self) -> str:
