@@ -178,13 +178,13 @@ def _serve_status(sock: socket.socket, main_ident: int) -> None:
             stack = tuple((f.filename, f.lineno, f.name) for f in reversed(summary)
                           if f.filename != __file__)
         activity = STATE["activity"] or (_collective_in(frame) if frame else None)
+        # let go of the frame before answering: held, it keeps the polled
+        # function's locals alive after it returns (the memory ledger would count
+        # a finished step's temporaries), and the asker may return at once
+        del frame
         call = STATE["call"]
         seconds = time.monotonic() - STATE["started"] if call is not None else 0.0
         wire.send(sock, Status(call, activity, stack, seconds))
-        # let go of the frame before waiting for the next request: held, it keeps
-        # the polled function's locals alive after it returns (the memory ledger
-        # would count a finished step's temporaries)
-        del frame
 
 
 _PAYLOAD_NAMES = ("tensor", "tensor_list", "output_tensor", "output_tensor_list",
