@@ -508,3 +508,40 @@ def test_a_type_error_gets_the_signature_hint_only_when_about_arguments():
     assert "signature" in hint_for("TypeError", "f() takes 2 positional arguments "
                                    "but 3 were given")
     assert hint_for("TypeError", "'float' object is not subscriptable") == ""
+
+
+def _mismatched_dtypes(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(4, dtype=torch.float64 if rank == 0 else torch.float32)
+    dist.all_reduce(x)  # gloo aborts the rank that receives 8-byte elements
+    return x
+
+
+def test_a_rank_that_dies_says_why_and_its_peers_are_consequences(cluster):
+    """A collective called with different dtypes on different ranks kills a rank
+    inside gloo: the message carries its last words and a hint, and the peers
+    that lost their connection are marked as consequences, without gloo's paths,
+    addresses and boilerplate."""
+    from labkit.checks.common import run_answer
+
+    with pytest.raises(checks.ExerciseError) as e:
+        run_answer(cluster, _mismatched_dtypes, what="ZeRO-1 step")
+    first, *rest = str(e.value).splitlines()
+    assert "died (killed by SIGABRT, after writing:" in first
+    assert "Received data size doesn't match expected size" in first
+    assert first.endswith("Hint: the ranks called one collective with different "
+                          "sizes or dtypes: compare what each rank passes")
+    for line in rest:
+        assert "/__w/" not in line and "127.0.0.1" not in line and "GLHF" not in line
+        assert "consequence" in line or line.startswith("(")
+
+
+def test_last_words_are_the_cpp_exceptions_what():
+    from labkit.runtime.call import last_words
+
+    err = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+           "  what():  [enforce fail at pair.cc:456] 8 vs 4. Mismatch\n")
+    assert last_words(err) == "[enforce fail at pair.cc:456] 8 vs 4. Mismatch"
+    assert last_words("one\ntwo\n\n") == "two" and last_words("") == ""

@@ -101,10 +101,22 @@ def _consequence(message: str) -> bool:
 _GLOO_PREFIX = re.compile(r"\[rank\d+\]:\s*(\[[A-Z]\d{4} [\d:.]+ [\w./-]+:\d+\]\s*)?")
 
 
+# gloo's source location ("[enforce fail at /__w/.../pair.cc:456] ",
+# "[/__w/.../pair.cc:537] "), a peer's address and port, and its boilerplate
+_GLOO_NOISE = (
+    re.compile(r"\[(enforce fail at )?/[^\]]+\.(cc|cpp|h):\d+\]\s*"),
+    re.compile(r" ?\[[\d.]+\]:\d+"),
+    re.compile(r"\s*This is typically caused by .*$", re.S),
+)
+
+
 def _plain(message: str) -> str:
-    """The message without gloo's per-rank prefix, so that ranks with the same
-    error are one line."""
-    return _GLOO_PREFIX.sub("", message)
+    """The message without gloo's per-rank prefix, source paths, addresses and
+    boilerplate, so that ranks with the same error are one line."""
+    message = _GLOO_PREFIX.sub("", message)
+    for noise in _GLOO_NOISE:
+        message = noise.sub("", message)
+    return message
 
 
 def failure_message(err: RankError, what: str = "answer") -> str:
@@ -118,8 +130,8 @@ def failure_message(err: RankError, what: str = "answer") -> str:
             key = (e.type_name, _plain(e.message), student_frame(e.frames))
         elif e is not None:
             key = (type(e).__name__, _plain(str(e)), None)
-        else:  # the rank died: the failure text says how
-            key = ("died", err.failures[r].split(": ", 1)[-1], None)
+        else:  # the rank died: the failure text says how (and its last words)
+            key = ("died", _plain(err.failures[r].split(": ", 1)[-1]), None)
         groups.setdefault(key, []).append(r)
     lines = []
     # a peer's broken connection is a consequence: the cause goes first
@@ -127,13 +139,20 @@ def failure_message(err: RankError, what: str = "answer") -> str:
             groups.items(), key=lambda g: (_consequence(g[0][1]), g[1][0])):
         first = message.strip().splitlines()[0] if message.strip() else ""
         if kind == "died":
-            lines.append(f"{_ranks(ranks)} died ({first}) while running your {what}")
+            hint = (". Hint: the ranks called one collective with different sizes or "
+                    "dtypes: compare what each rank passes" if "size" in first
+                    and "match" in first else "")
+            lines.append(f"{_ranks(ranks)} died ({first}) while running your "
+                         f"{what}{hint}")
             continue
+        after = (" (a consequence: a rank it was talking to had stopped)"
+                 if _consequence(message) and len(groups) > 1 else "")
         lines.append(f"{_ranks(ranks)}: your {what} raised {kind}"
-                     + (f": {first}" if first else "") + at_line(frame)
+                     + (f": {first}" if first else "") + after + at_line(frame)
                      + hint_for(kind, message))
     if err.busy:
-        lines.append(f"({_ranks(err.busy)} had not finished and were stopped; the "
+        were = "was" if len(err.busy) == 1 else "were"
+        lines.append(f"({_ranks(err.busy)} had not finished and {were} stopped; the "
                      "next run starts the ranks again)")
     return "\n".join(lines)
 

@@ -66,6 +66,15 @@ class Collector:
             pending = self._wait()
             busy = self._ask_status(sorted(pending)) if pending else {}
             outputs, transcript = self.output.transcript(self.ranks)
+            for r, how in self.failed.items():  # a rank that died: its last words
+                if isinstance(how, str):
+                    pre = self.output.prefix(r)
+                    err = "".join(ln.removeprefix(pre) for stream, text in transcript
+                                  if stream == "stderr"
+                                  for ln in text.splitlines(keepends=True)
+                                  if ln.startswith(pre))
+                    if words := last_words(err):
+                        self.failed[r] = f"{how}, after writing: {words}"
             finished = True
         finally:
             if self.view is not None:  # also on an interrupt: show where it stopped
@@ -238,4 +247,11 @@ def pack_call(fn, args, kwargs) -> bytes:
     raise TypeError(f"the call cannot be sent to the ranks: {err}") from err
 
 
-
+def last_words(stderr: str) -> str:
+    """The line that says why a process died, from what it wrote last: the C++
+    exception's `what():` (gloo's enforce failures), else the last line."""
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("what():"):
+            return ln.removeprefix("what():").strip()
+    return lines[-1] if lines else ""
