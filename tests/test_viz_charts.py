@@ -303,7 +303,7 @@ def test_zero_bars_scale_to_small_models():
     assert top <= ax.get_ylim()[1] <= 1.2 * top               # the bars fill the plot
     assert not [x for x in ax.lines if x.get_linestyle() == "--"]  # no line at 80
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert labels[-1] == "device memory 80 GB: above the chart, every bar fits"
+    assert labels[-1] == "device memory 80 GB:\nabove the chart,\nevery bar fits"
     # 16Ψ, 4Ψ + 12Ψ/8, 2Ψ + 14Ψ/8, 16Ψ/8 for Ψ = 0.124e9: 1.98, 0.68, 0.47, 0.25 GB
     assert [t.get_text() for t in ax.texts] == ["2.0", "0.68", "0.47", "0.25"]
 

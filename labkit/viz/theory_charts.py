@@ -43,8 +43,8 @@ def zero_bars(breakdowns, *, ax=None, unit: float = 1e9, unit_name: str = "GB",
             top = max(top, cap)
         else:  # a line at 80 GB would squash 2 GB bars into the floor
             handles.append(Patch(color="none"))
-            names.append(f"device memory {cap:,.0f} {unit_name}: above the chart, "
-                         "every bar fits")
+            names.append(f"device memory {cap:,.0f} {unit_name}:\nabove the chart,"
+                         "\nevery bar fits")  # three short lines: a narrow legend
     ax.set_ylim(0, 1.15 * top)
     ax.set_xticks(range(len(labels)), labels)
     if highlight in labels:
