@@ -4,7 +4,7 @@ placement-semantics abstract's figures; the correctness conditions."""
 import pytest
 import torch
 
-from labkit import theory
+from labkit import ledger, theory
 
 # ZeRO paper (Rajbhandari et al. 2020), fig. 1 and sec. 7: Ψ = 7.5B, N = 64, K = 12.
 # GB of model state per device, and traffic in units of Ψ (2-byte elements, times
@@ -199,3 +199,93 @@ def test_materialized_optimizer_state_breaks_state_consistency():
     assert not both.ok and "nothing to rebuild them from" in str(both)
     with pytest.raises(ValueError, match="k cannot be negative"):
         theory.Placement().check(k=-1)
+
+
+def test_offloaded_gradients_are_made_on_the_device_then_moved_down_and_back_up():
+    # backward makes each layer's whole gradient on the device; it is reduced, and
+    # only then can the device's part go down to host memory. Nothing stays on the
+    # device between steps, but at the peak one layer's gradient is whole there
+    psi, n, layer = 1e9, 8, 1 / 10
+    dp = theory.PLACEMENTS["DP"].cost(psi, n, gather_fraction=layer)
+    for o in theory.MODES:
+        cost = theory.Placement("Replicated", o, "Offloaded").cost(
+            psi, n, gather_fraction=layer)
+        assert cost.persistent["G"] == 0
+        assert cost.peak["G"] == layer * dp.peak["G"] == layer * 2 * psi
+    # beside an optimizer that steps on the device the gradient comes back up for
+    # the step: twice the device's part. Sharded O: the reduce-scattered 1/N, and
+    # the collectives are ZeRO-2's
+    z2 = theory.Placement("Replicated", "Sharded", "Offloaded")
+    cost = z2.cost(psi, n)
+    assert z2.check().ok and cost.traffic == theory.PLACEMENTS["ZeRO-2"].cost(
+        psi, n).traffic
+    assert cost.pcie == 2 * (2 * psi / n)
+    # replicated O: every device steps on the whole all-reduced gradient
+    dp_off = theory.Placement("Replicated", "Replicated", "Offloaded")
+    cost = dp_off.cost(psi, n)
+    assert dp_off.check().ok and set(cost.traffic) == {"all_reduce (gradients)"}
+    assert cost.pcie == 2 * (2 * psi)
+    # ZeRO-3 with its gradient shard on the host: 1/N down and up
+    assert theory.Placement("ShardedWithGather", "Sharded", "Offloaded").cost(
+        psi, n).pcie == 2 * (2 * psi / n)
+    # beside an offloaded optimizer (ZeRO-Offload proper: gradients and the step
+    # on the CPU) the gradient goes down once and the CPU steps where it landed:
+    # the PCIe of ZeRO-Offload, without its 1/N of G on the device
+    zo = theory.PLACEMENTS["ZeRO-Offload"].cost(psi, n)
+    g_off = theory.Placement("Replicated", "Offloaded", "Offloaded").cost(psi, n)
+    assert g_off.pcie == zo.pcie == (2 + 2) * psi / n
+    assert g_off.persistent["G"] == 0 < zo.persistent["G"] == 2 * psi / n
+
+
+def test_offloaded_activations_cross_pcie_twice_and_keep_one_layer_on_device():
+    # activation offloading, measured: every tensor forward saves for backward is
+    # copied to host memory as it is saved (down) and copied back when backward
+    # reads it (up). Four Linear+GELU layers, 8 x 64 fp32 activations: a layer
+    # saves its Linear's output and its GELU's, the last its output (7 units)
+    width, rows = 64, 8
+    unit = rows * width * 4
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    model = torch.nn.Sequential(*layers[:-1])
+    x, y = torch.randn(rows, width), torch.randn(rows, width)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    moved = {"down": 0, "up": 0}
+
+    def down(t):
+        if t.grad_fn is None or t.untyped_storage().data_ptr() in weights:
+            return t  # the input, the target and the weights: not activations
+        moved["down"] += t.nbytes
+        with ledger.on_host("Activation"):
+            return ("host", t.detach().clone())
+
+    def up(saved):
+        if not isinstance(saved, tuple):
+            return saved
+        moved["up"] += saved[1].nbytes
+        return saved[1].clone()
+
+    plain = [p.grad for p in _grads(model, x, y)]
+    with ledger.memory(model) as mem:
+        with torch.autograd.graph.saved_tensors_hooks(down, up):
+            got = [p.grad for p in _grads(model, x, y)]
+    assert all(torch.equal(a, b) for a, b in zip(got, plain))  # the same backward
+    acts = 7 * unit
+    assert mem.host_peak["Activation"] == moved["down"] == moved["up"] == acts
+    # on the device at most one layer's two activations at once: 2 of 7 units,
+    # each device its own micro-batch's whole, so not 1/N of them: whatever N
+    assert mem.peak["Activation"] == 2 * unit
+    psi = sum(p.numel() for p in model.parameters())
+    for n in (4, 1):
+        cost = theory.Placement(A="Offloaded").cost(
+            psi, n, k=8, param_bytes=4, grad_bytes=4, activations=acts,
+            gather_fraction=2 / 7)
+        assert cost.persistent["A"] == 0 and cost.peak["A"] == mem.peak["Activation"]
+        assert cost.pcie == moved["down"] + moved["up"]  # P, O, G: none over PCIe
+
+
+def _grads(model, x, y):
+    model.zero_grad(set_to_none=True)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return list(model.parameters())

@@ -168,7 +168,8 @@ class Placement:
         """Bytes per device (persistent and peak) and traffic per step for Ψ =
         `params` on N devices. `activations`: one device's activation bytes when
         Replicated (its own micro-batch). `gather_fraction`: the largest share of a
-        gathered state held whole at once (1/L when gathering one of L layers)."""
+        gathered, Materialized or Offloaded state held whole on the device at once
+        (1/L when it is one of L layers at a time)."""
         psi, n = check_params(params), check_n(n_devices)
         if not 0 < gather_fraction <= 1:
             raise ValueError(
@@ -183,13 +184,14 @@ class Placement:
             keep = {"Replicated": size, "Sharded": size / n,
                     "ShardedWithGather": size / n, "Materialized": 0.0,
                     "Offloaded": 0.0}[mode]
+            # Offloaded P, G and A are whole on the device while their layer runs:
+            # its weights, the gradient backward makes before it is reduced and
+            # moved off, its activations between the copy and the free
             transient = {"ShardedWithGather": gather_fraction * size * (1 - 1 / n),
                          "Materialized": gather_fraction * size,
-                         "Offloaded": gather_fraction * size / n}.get(mode, 0.0)
+                         "Offloaded": gather_fraction * size}.get(mode, 0.0)
             if state == "O" and mode == "Offloaded":
                 transient = 0.0  # ZeRO-Offload steps on the CPU: O never comes back
-            if state == "P" and mode == "Offloaded":
-                transient = gather_fraction * size  # a layer runs on all its weights
             if state == "A":  # activations live only inside a step
                 keep, transient = 0.0, keep + transient
             persistent[state], peak[state] = keep, keep + transient
@@ -221,6 +223,16 @@ class Placement:
                 pcie += param_bytes * psi / n
         elif self.P == "Offloaded":  # a step on the device writes P back to the host
             pcie += host_p
+        if self.G == "Offloaded" and self.O != "Offloaded":
+            # backward makes a layer's gradient on the device; once reduced, the
+            # device's part (its 1/N after a reduce-scatter or beside an owned
+            # optimizer, else the whole) goes down, and a step on the device needs
+            # it back up. Beside O Offloaded the CPU steps where it landed: that
+            # one trip down is counted above
+            owned = self._owned_optimizer() or sync == "reduce_scatter"
+            pcie += 2 * grad_bytes * psi / (n if owned else 1)
+        if self.A == "Offloaded":  # each layer's activations down after forward
+            pcie += 2 * full["A"]  # made them, up again for its backward
         return PlacementCost(persistent, peak, traffic, pcie)
 
     def describe(self) -> str:
