@@ -25,14 +25,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.theory._validate import check_counts
+
 DIMS = ("tp", "cp", "pp", "dp")  # innermost first
 
 
 def _sizes(world_size: int, tp: int, pp: int, dp: int, cp: int) -> dict[str, int]:
     sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
-    for name, v in [("world_size", world_size), *sizes.items()]:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    check_counts(world_size=world_size, **sizes)
     if tp * cp * pp * dp != world_size:
         raise ValueError(f"tp*cp*pp*dp = {tp}*{cp}*{pp}*{dp} = {tp * cp * pp * dp} "
                          f"ranks, but the world has {world_size}: the grid must "

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
+from labkit.theory._validate import check_counts
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
@@ -42,9 +44,7 @@ class Action(NamedTuple):
 def _check(schedule: str, p: int, m: int, rank: int, v: int) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
-    for name, x in (("p", p), ("m", m), ("v", v)):
-        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {x!r}")
+    check_counts(p=p, m=m, v=v)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < p:
         raise ValueError(f"rank must be an integer in [0, {p}), got {rank!r}")
     if v != 1 and schedule != "interleaved":

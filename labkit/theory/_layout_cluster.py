@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.theory._validate import check_counts
+
 # Per-step latency α of a ring collective, seconds. NCCL's own cost model
 # (NVIDIA/nccl, src/graph/tuning.cc, table hwLat, Ring / Simple protocol, the
 # protocol NCCL picks for the megabyte-sized messages of training): 3.4 us per
@@ -53,10 +55,7 @@ class Cluster:
     name: str = ""
 
     def __post_init__(self):
-        for d in ("gpus_per_node", "nodes"):
-            v = getattr(self, d)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{d} must be an integer >= 1, got {v!r}")
+        check_counts(gpus_per_node=self.gpus_per_node, nodes=self.nodes)
         for d in ("gpu_memory", "intra_bw", "inter_bw", "flops", "hbm_bw"):
             if getattr(self, d) <= 0:
                 raise ValueError(f"{d} must be > 0, got {getattr(self, d)!r}")

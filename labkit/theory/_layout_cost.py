@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from labkit.theory._layout_cluster import Cluster
+from labkit.theory._validate import check_counts
 from labkit.theory.activations import activation_terms
 from labkit.theory.collective_cost import ring_bytes_per_rank
 from labkit.theory.models import ModelConfig, param_count
@@ -64,10 +65,8 @@ class Layout:
     dualpipe: bool = False
 
     def __post_init__(self):
-        for d in ("tp", "pp", "dp", "cp", "ep", "microbatches", "interleave"):
-            v = getattr(self, d)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{d} must be an integer >= 1, got {v!r}")
+        check_counts(**{d: getattr(self, d) for d in (
+            "tp", "pp", "dp", "cp", "ep", "microbatches", "interleave")})
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.recompute not in ("none", "selective", "full"):

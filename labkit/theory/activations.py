@@ -3,14 +3,13 @@ tensor by tensor."""
 
 from __future__ import annotations
 
+from labkit.theory._validate import check_counts
+
 RECOMPUTE = ("none", "selective", "full")
 
 
 def _check(seq, batch, hidden, heads, tp, sp, recompute) -> None:
-    for name, v in (("seq", seq), ("batch", batch), ("hidden", hidden),
-                    ("heads", heads), ("tp", tp)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    check_counts(seq=seq, batch=batch, hidden=hidden, heads=heads, tp=tp)
     if hidden % heads:
         raise ValueError(f"hidden {hidden} is not divisible by heads {heads}")
     if heads % tp or hidden % tp:

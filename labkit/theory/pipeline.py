@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.theory._validate import check_counts
+
 
 @dataclass(frozen=True)
 class Bubble:
     of_total: float  # idle fraction of the whole step
     of_ideal: float  # idle time relative to the ideal (bubble-free) compute time
-
-
-def _check_counts(**counts) -> None:
-    for name, x in counts.items():
-        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {x!r}")
 
 
 def pipeline_bubble(p: int, m: int, v: int = 1) -> Bubble:
@@ -25,7 +21,7 @@ def pipeline_bubble(p: int, m: int, v: int = 1) -> Bubble:
     Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", sec.
     2.2): of_ideal = (p-1)/(v m); of_total = (p-1)/(v m + p - 1), which for v = 1
     is (p-1)/(m+p-1)."""
-    _check_counts(p=p, m=m, v=v)
+    check_counts(p=p, m=m, v=v)
     return Bubble(of_total=(p - 1) / (v * m + p - 1), of_ideal=(p - 1) / (v * m))
 
 
@@ -42,7 +38,7 @@ def zero_bubble_h1(p: int, m: int, f: float = 1.0, b: float = 1.0,
     schedule as labkit's simulator places it (pipeline_schedules.py), which for
     w <= min(f, b) is (p-1)(f+b-w); a W longer than F or B cannot fill the fill
     phase's gaps, which are F and B long. Needs m >= p."""
-    _check_counts(p=p, m=m)
+    check_counts(p=p, m=m)
     if m < p:
         raise ValueError(f"ZB-H1's bubble formula needs m >= p: m = {m} micro-"
                          f"batches cannot fill {p} stages")

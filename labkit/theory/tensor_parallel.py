@@ -5,13 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.theory._validate import check_n
-
-
-def _positive(**kw) -> None:
-    for name, v in kw.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+from labkit.theory._validate import check_counts, check_n
 
 
 @dataclass(frozen=True)
@@ -43,7 +37,7 @@ def layer_traffic(batch: int, seq: int, hidden: int, tp: int,
     all-reduce sends 2(t-1)/t of its payload per rank (Patarasuk & Yuan 2009), so a
     layer sends 8·b·s·h·(t-1)/t elements per rank per microbatch (Narayanan et al.
     2021, sec. 3.3)."""
-    _positive(batch=batch, seq=seq, hidden=hidden, elem_bytes=elem_bytes)
+    check_counts(batch=batch, seq=seq, hidden=hidden, elem_bytes=elem_bytes)
     t = check_n(tp)
     n = batch * seq * hidden
     return LayerTraffic(2, 2, n, 2 * (t - 1) / t * n * elem_bytes)
@@ -68,7 +62,7 @@ def layer_params(hidden: int, tp: int = 1, ffn: int | None = None) -> LayerParam
     P = 12lh²(1 + 13/(12h) + (V + s)/(12lh))."""
     h, t = hidden, check_n(tp)
     f = 4 * h if ffn is None else ffn
-    _positive(hidden=h, ffn=f)
+    check_counts(hidden=h, ffn=f)
     for name, v in (("hidden", h), ("ffn", f)):
         if v % t:
             raise ValueError(f"{name} = {v} is not divisible by tp = {t}")
