@@ -65,16 +65,10 @@ class Collector:
         try:
             pending = self._wait()
             busy = self._ask_status(sorted(pending)) if pending else {}
-            outputs, transcript = self.output.transcript(self.ranks)
+            outputs, errors, transcript = self.output.transcript(self.ranks)
             for r, how in self.failed.items():  # a rank that died: its last words
-                if isinstance(how, str):
-                    pre = self.output.prefix(r)
-                    err = "".join(ln.removeprefix(pre) for stream, text in transcript
-                                  if stream == "stderr"
-                                  for ln in text.splitlines(keepends=True)
-                                  if ln.startswith(pre))
-                    if words := last_words(err):
-                        self.failed[r] = f"{how}, after writing: {words}"
+                if isinstance(how, str) and (words := last_words(errors[r])):
+                    self.failed[r] = f"{how}, after writing: {words}"
             finished = True
         finally:
             if self.view is not None:  # also on an interrupt: show where it stopped
@@ -180,7 +174,7 @@ class Collector:
 
     def _so_far(self) -> list:
         try:
-            return self.output.transcript(self.ranks)[1]
+            return self.output.transcript(self.ranks)[2]
         except Exception:  # noqa: BLE001  (showing what we can is best effort)
             return []
 

@@ -69,19 +69,21 @@ class RankOutput:
     def prefix(self, rank: int) -> str:
         return f"[rank {rank:>{self.width}}] "
 
-    def transcript(self, ranks: list[int]) -> tuple[dict[int, str], list]:
-        """What each rank wrote, in rank order: (rank -> its stdout, and a list of
-        (stream, text) with every line prefixed by its rank)."""
-        outputs, parts = {}, []
+    def transcript(self, ranks: list[int]
+                   ) -> tuple[dict[int, str], dict[int, str], list]:
+        """What each rank wrote, in rank order: (rank -> its stdout, rank -> its
+        stderr, and a list of (stream, text) with every line prefixed by its
+        rank)."""
+        outputs, errors, parts = {}, {}, []
         for r in sorted(ranks):
             out, err = self.read(r, "out"), self.read(r, "err")
-            outputs[r] = out
+            outputs[r], errors[r] = out, err
             for text, stream in ((out, "stdout"), (err, "stderr")):
                 if text:
                     lines = text.rstrip("\n").split("\n")
                     parts.append((stream, "".join(self.prefix(r) + ln + "\n"
                                                   for ln in lines)))
-        return outputs, parts
+        return outputs, errors, parts
 
 
 def write_transcript(parts: list) -> None:
