@@ -96,14 +96,13 @@ def _consequence(message: str) -> bool:
                                 "broken pipe", "connection refused"))
 
 
-# what gloo's C++ checks put in front of a message: "[rank2]:[F1122 17:12:33.1234
-# ProcessGroupGloo.cpp:1536] " (a rank and a time that differ from rank to rank)
-_GLOO_PREFIX = re.compile(r"\[rank\d+\]:\s*(\[[A-Z]\d{4} [\d:.]+ [\w./-]+:\d+\]\s*)?")
-
-
-# gloo's source location ("[enforce fail at /__w/.../pair.cc:456] ",
-# "[/__w/.../pair.cc:537] "), a peer's address and port, and its boilerplate
+# what gloo puts around a message, which differs from rank to rank: the rank and
+# time its C++ checks put in front ("[rank2]:[F1122 17:12:33.1234
+# ProcessGroupGloo.cpp:1536] "), its source location ("[enforce fail at
+# /__w/.../pair.cc:456] ", "[/__w/.../pair.cc:537] "), a peer's address and port,
+# and its boilerplate
 _GLOO_NOISE = (
+    re.compile(r"\[rank\d+\]:\s*(\[[A-Z]\d{4} [\d:.]+ [\w./-]+:\d+\]\s*)?"),
     re.compile(r"\[(enforce fail at )?/[^\]]+\.(cc|cpp|h):\d+\]\s*"),
     re.compile(r" ?\[[\d.]+\]:\d+"),
     re.compile(r"\s*This is typically caused by .*$", re.S),
@@ -113,7 +112,6 @@ _GLOO_NOISE = (
 def _plain(message: str) -> str:
     """The message without gloo's per-rank prefix, source paths, addresses and
     boilerplate, so that ranks with the same error are one line."""
-    message = _GLOO_PREFIX.sub("", message)
     for noise in _GLOO_NOISE:
         message = noise.sub("", message)
     return message
