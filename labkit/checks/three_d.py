@@ -125,13 +125,15 @@ RING_CASES = (("all_reduce", 268e6, 8, 1), ("reduce_scatter", 64e6, 16, 2),
 
 
 def _ring_seconds(op, size, n, nodes, cl, alpha_in=None, alpha_out=None, bw=None):
-    from labkit.theory import latency_steps, ring_bytes_per_rank
+    """The calculator's own α-β price (theory's ring_latency and
+    ring_bytes_per_rank), with a slip's α or bandwidth in place of the right one."""
+    from labkit.theory import ring_bytes_per_rank
+    from labkit.theory._layout_time import ring_latency
 
     a_in = cl.alpha_intra if alpha_in is None else alpha_in
     a_out = cl.alpha_inter if alpha_out is None else alpha_out
-    inter = latency_steps(op, nodes) if nodes > 1 else 0
     beta = bw or (cl.intra_bw if nodes == 1 else cl.inter_bw)
-    return ((latency_steps(op, n) - inter) * a_in + inter * a_out
+    return (ring_latency(op, n, nodes, a_in, a_out)
             + ring_bytes_per_rank(op, size, n) / beta)
 
 
