@@ -7,6 +7,8 @@ import io
 import itertools
 import selectors
 import time
+import types
+from collections import ChainMap
 
 import cloudpickle
 
@@ -202,11 +204,34 @@ def _unwrapped(fn):
     return fn
 
 
+_REDUCE_CODE = cloudpickle.Pickler.dispatch_table[types.CodeType]
+
+
+def _code_from(rebuild, args, filename: str) -> types.CodeType:
+    """On the rank: cloudpickle's code object, with the file it came from."""
+    return rebuild(*args).replace(co_filename=filename)
+
+
+def _reduce_code(code: types.CodeType):
+    """cloudpickle's reduction of a code object, plus its co_filename.
+
+    cloudpickle >= 3.1.3 renames every code object it ships "<dynamic-code>"; the
+    rank's tracebacks and status lines then cannot name the student's cell (the
+    kernel looks the line up by file name). Whatever cloudpickle writes, the name
+    is put back on load, and line numbers are cloudpickle's own."""
+    rebuild, args = _REDUCE_CODE(code)
+    return _code_from, (rebuild, args, code.co_filename)
+
+
 class _CallPickler(cloudpickle.Pickler):
-    """cloudpickle, except that an optimizer's `step` that PyTorch has wrapped in
-    this process travels unwrapped: a class defined in a notebook goes by value, and
-    a copied wrapper would call the hooks registered here, not those on the rank
-    (where the ledgers register theirs). The rank wraps `step` again itself."""
+    """cloudpickle, with two changes. Code objects keep their file name (above).
+    An optimizer's `step` that PyTorch has wrapped in this process travels
+    unwrapped: a class defined in a notebook goes by value, and a copied wrapper
+    would call the hooks registered here, not those on the rank (where the
+    ledgers register theirs). The rank wraps `step` again itself."""
+
+    dispatch_table = ChainMap({types.CodeType: _reduce_code},
+                              cloudpickle.Pickler.dispatch_table)
 
     def reducer_override(self, obj):
         if getattr(obj, "hooked", False) and hasattr(obj, "__wrapped__") and \
