@@ -14,17 +14,42 @@ CELL_TIMEOUT ?= 120
 # chromium fonts-wqy-microhei); never a browser downloaded by `playwright install`
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: FORCE install lab book slides student test lint test-lib test-notebooks \
+.PHONY: FORCE install newest test-newest lock test-cpus check lab book slides student test lint test-lib test-notebooks \
 	browser-test bench doctor images clean-notebooks clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Every package at the version CI last tested: requirements.lock pins them all
+# (a constraints file: a package a platform needs that the lock lacks, such as
+# macOS's appnope, still installs). `make lock` refreshes it.
+LOCK   := requirements.lock
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c $(LOCK) pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -c $(LOCK) -e ".[dev]"
 	touch $(STAMP)
+
+# The newest releases pyproject's ranges allow, as a plain `pip install` gives
+# them today, in a second environment: `make test-newest` runs the fast library
+# tests there (CI too), so the next release that breaks us is caught by us first.
+NEWEST := .venv-newest
+newest:
+	rm -rf $(NEWEST) && $(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install --quiet --upgrade pip
+	$(NEWEST)/bin/python -m pip install --quiet "$(TORCH)"
+	$(NEWEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager \
+		-e ".[dev]"
+	@$(NEWEST)/bin/python -m labkit.cli.lock diff $(LOCK)
+
+test-newest: newest
+	LABKIT_ENV=newest $(NEWEST)/bin/python -m pytest tests -q -p no:cacheprovider \
+		--ignore=tests/browser -m "not slow"
+
+# Refresh the lock from the newest releases; then run `make test` (it reinstalls
+# .venv from the new lock) and commit requirements.lock if it passes.
+lock: newest
+	$(NEWEST)/bin/python -m labkit.cli.lock write $(LOCK)
 
 lab: install
 	$(BIN)/jupyter lab $(ROOT_FLAG) --ServerApp.root_dir="$(CURDIR)" \
@@ -70,6 +95,20 @@ lint: install
 # the browser test runs as its own step (below), after the chapters pass under nbval
 test-lib: install
 	$(BIN)/python -m pytest tests -q --ignore=tests/browser
+
+# Other CPUs' kernels (labkit/cli/cpus.py): the numerics tests and chapters 04-08
+# again under each corner this CPU supports, with the largest measured/allowed
+# error per chapter and test file. CPU_CORNERS picks (avx2, avx512, compatible).
+CPU_CORNERS ?= avx2,avx512,compatible
+CPU_CHAPTERS ?= $(wildcard notebooks/0[4-8]_*.ipynb)
+test-cpus: install
+	$(BIN)/python -m labkit.cli.cpus --corners $(CPU_CORNERS) \
+		--cell-timeout $(CELL_TIMEOUT) --chapters $(CPU_CHAPTERS)
+
+# lint and the library tests that execute no notebook: the developer's quick loop
+check: lint
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider --ignore=tests/browser \
+		-m "not slow"
 
 test-notebooks: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \

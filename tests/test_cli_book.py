@@ -11,6 +11,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = ROOT / "notebooks" / "02_ring_allreduce.ipynb"  # viz.ring_stepper
 TIMEOUT = 60  # per cell; a stalled cell waits all of it
@@ -46,6 +48,7 @@ def _figures(state: dict) -> list[bytes]:
     return out
 
 
+@pytest.mark.slow
 def test_widget_chapter_executes_without_waiting_out_the_timeout(tmp_path):
     before = sorted(p.name for p in CHAPTER.parent.iterdir())
     start = time.monotonic()

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _labkit(*args, **kw):
     return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True,
@@ -33,6 +35,7 @@ def test_unknown_command_is_an_error():
     assert out.returncode == 2 and "invalid choice" in out.stderr
 
 
+@pytest.mark.slow
 def test_launch_runs_a_worker_function_under_torchrun(tmp_path):
     work = tmp_path / "work.py"
     work.write_text(

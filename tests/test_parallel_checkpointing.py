@@ -16,6 +16,8 @@ from labkit.parallel.checkpointing import (
     time_step,
 )
 
+pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
+
 B, D, LAYERS = 32, 64, 8
 UNIT = B * D * 4  # one (B, D) fp32 activation
 

@@ -12,6 +12,8 @@ from torch import nn
 
 from tests.models import D, H, TiedFrozenNet, V
 
+pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
+
 N = 4
 STEPS = 5
 OPTS = {"sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),

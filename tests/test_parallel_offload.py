@@ -14,6 +14,8 @@ from labkit.parallel.offload import OffloadedOptimizer, Transfer
 from labkit.parallel.precision import MasterWeights
 from labkit.theory.placement import PLACEMENTS
 
+pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
+
 BF16 = torch.bfloat16
 STEPS = 5
 OPTS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),

@@ -15,6 +15,8 @@ from labkit.parallel.pipeline_parallel import bubble_fractions, split_layers
 from labkit.parallel.pipeline_schedules import stage_order
 from labkit.theory.pipeline import activations_in_flight
 
+pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
+
 ROWS, STEPS, LR = 12, 3, 0.1
 BALANCE = {4: [2, 2, 2, 2], 2: [3, 5], 1: [8]}  # 8 layers; 3 + 5: uneven stages
 

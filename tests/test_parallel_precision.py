@@ -6,6 +6,8 @@ import torch
 
 from labkit.parallel.precision import MasterWeights
 
+pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
+
 BF16 = torch.bfloat16
 
 

@@ -15,6 +15,8 @@ import torch
 from labkit.parallel.sequence_parallel import TransformerLayer
 from labkit.theory import activation_memory
 
+pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
+
 S, B, H, HEADS, FFN = 8, 2, 16, 4, 32  # sequence, batch, hidden, heads, MLP width
 STEPS = 3
 TOL = 1e-6  # relative to a tensor's largest element: t partial sums are added in

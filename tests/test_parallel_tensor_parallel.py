@@ -13,6 +13,8 @@ from torch import nn
 
 from labkit.parallel.tensor_parallel import MLP, SelfAttention
 
+pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
+
 S, B, H, HEADS, FFN = 8, 2, 16, 4, 32  # sequence, batch, hidden, heads, MLP width
 TOL = 1e-6  # relative to a tensor's largest element: t partial sums added in
 # another order than one matmul adds them (about 1e-7 apart in fp32)

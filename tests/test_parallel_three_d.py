@@ -18,6 +18,8 @@ import labkit
 from labkit.parallel.three_d import ThreeD, TinyGPT, lm_loss, stage_layers
 from labkit.theory import layer_params, layer_traffic, ring_bytes_per_rank
 
+pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
+
 CFG = dict(vocab=64, seq=16, hidden=32, heads=4, layers=2)
 B, M, STEPS, LR = 8, 2, 3, 0.1
 TP = PP = DP = 2

@@ -14,6 +14,8 @@ from tests.models import TiedFrozenNet, V
 
 from labkit.theory import zero_traffic
 
+pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
+
 N = 4
 STEPS = 5
 BUCKET_MB = 1000 / 2**20  # 250 float32: the small model's groups split in buckets

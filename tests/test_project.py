@@ -1,6 +1,7 @@
 """House rules: clean notebooks, one list of dependencies, the README's commands."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -51,24 +52,51 @@ def test_clean_strips_outputs_and_counts(tmp_path):
     assert clean(p) is False
 
 
-def _req(spec: str) -> tuple[str, str]:
-    m = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)\s*(.*?)\s*", spec)
-    return m.group(1).lower().replace("_", "-"), m.group(2).replace(" ", "")
-
-
-def test_environment_yml_matches_pyproject():
+def _pyproject_requirements() -> list[str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    py = {_req(s) for s in project["dependencies"]}
     extras = project["optional-dependencies"].values()
-    py |= {_req(s) for group in extras for s in group}
+    return list(project["dependencies"]) + [s for group in extras for s in group]
+
+
+def test_environment_yml_installs_from_the_lock():
+    # conda gives Python and pip; the packages come from pip under the lock, as
+    # in `make install`, so a conda user gets the versions CI tested
     text = (ROOT / "environment.yml").read_text().split("\ndependencies:", 1)[1]
-    conda = set()
-    for line in text.splitlines():
-        m = re.match(r"\s+- (\S.*)$", line)
-        if m and not m.group(1).startswith(("-e", "python=", "pip")):
-            conda.add(_req(m.group(1)))
-    assert ("torch", "==2.13.0") in conda
-    assert conda == py
+    items = [m.group(1).strip() for m in re.finditer(r"^\s+- (\S.*)$", text, re.M)]
+    conda = [i for i in items[:items.index("pip:")]]
+    assert conda[0] == "python=3.11" and conda[1:] == ["pip"], conda
+    assert items[items.index("pip:") + 1:] == ["-c requirements.lock", "torch==2.13.0",
+                                                "-e .[dev]"]
+    assert "-c $(LOCK)" in (ROOT / "Makefile").read_text()
+
+
+def test_the_lock_pins_every_dependency_within_its_range():
+    from packaging.requirements import Requirement
+
+    from labkit.cli.lock import read
+
+    pins = read(ROOT / "requirements.lock")
+    assert pins["torch"] == "2.13.0"
+    for spec in _pyproject_requirements():
+        req = Requirement(spec)
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        assert name in pins, f"requirements.lock does not pin {name} ({spec})"
+        assert req.specifier.contains(pins[name], prereleases=True), (
+            f"requirements.lock pins {name}=={pins[name]}, outside pyproject's {spec}")
+
+
+@pytest.mark.skipif(os.environ.get("LABKIT_ENV") == "newest",
+                    reason="the newest-releases environment is not the locked one")
+def test_the_installed_versions_are_the_locks():
+    # `make install` installed every package the lock names at its pin; a
+    # developer's extra packages (not in the lock) are not checked
+    from labkit.cli.lock import installed, read
+
+    have = installed()
+    off = {n: (v, have[n]) for n, v in read(ROOT / "requirements.lock").items()
+           if n in have and have[n] != v}
+    assert not off, f"installed versions differ from the lock (pinned, installed): " \
+                    f"{off}; run `make install`"
 
 
 def test_torch_is_pinned_where_it_is_installed():

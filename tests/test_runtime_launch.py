@@ -172,6 +172,7 @@ def _two_nodes(tmp_path, target, results, port):
     return out
 
 
+@pytest.mark.slow
 def test_two_nodes_under_torchrun_write_results_merged_in_rank_order(tmp_path):
     port = _free_port()
     if port is None:
