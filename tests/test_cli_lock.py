@@ -1,0 +1,34 @@
+"""The lock file: written from an environment, read back, compared."""
+
+import pytest
+
+from labkit.cli import lock
+
+
+def test_write_then_read_pins_every_installed_package(tmp_path):
+    path = tmp_path / "requirements.lock"
+    assert lock.write(path) == 0
+    pins = lock.read(path)
+    assert pins == lock.installed()
+    assert "labkit" not in pins and "setuptools" not in pins
+    assert pins["torch"] == "2.13.0"  # the CPU build's +cpu label is dropped
+    assert path.read_text().startswith("# Every package")
+
+
+def test_read_refuses_what_is_not_a_pin(tmp_path):
+    path = tmp_path / "bad.lock"
+    path.write_text("# a comment\nnumpy==2.0.0\ncloudpickle>=3.0\n")
+    with pytest.raises(ValueError, match=r"not a pin \(name==version\): "
+                                         r"'cloudpickle>=3.0'"):
+        lock.read(path)
+
+
+def test_diff_names_what_changed_since_the_lock(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "requirements.lock"
+    path.write_text("numpy==1.0.0\nOld_Name==2\n")
+    monkeypatch.setattr(lock, "installed", lambda: {"numpy": "2.4.6", "old-name": "2",
+                                                    "tqdm": "4.70.1"})
+    assert lock.diff(path) == 0
+    out = capsys.readouterr().out
+    assert "numpy 1.0.0 -> 2.4.6" in out and "tqdm 4.70.1 (not in the lock)" in out
+    assert "old-name" not in out
