@@ -192,7 +192,8 @@ class ParallelTransformerLayer(TransformerLayer):
         slice of the MLP, the whole LayerNorms."""
         h, a = layer.attn.q.in_features, layer.attn.heads
         out = cls(h, a, group, layer.mlp.fc1.out_features, layer.p, layer.causal,
-                  sequence_parallel, recompute or layer.recompute, regather)
+                  sequence_parallel, recompute or layer.recompute,
+                  regather).to(next(layer.parameters()).dtype)  # before the copies
         out.attn = ParallelSelfAttention.from_attention(layer.attn, out.group,
                                                         sequence_parallel)
         out.mlp = ParallelMLP.from_mlp(layer.mlp, out.group, sequence_parallel)
@@ -200,7 +201,7 @@ class ParallelTransformerLayer(TransformerLayer):
             for mine, theirs in ((out.ln1, layer.ln1), (out.ln2, layer.ln2)):
                 mine.weight.copy_(theirs.weight)
                 mine.bias.copy_(theirs.bias)
-        return out.to(next(layer.parameters()).dtype)
+        return out
 
     def _column(self, linear: nn.Module, x):
         if self.sequence_parallel and self.regather:  # keep the shard, not (s, b, h)

@@ -94,9 +94,9 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **kw) -> ColumnParallelLinear:
-        """This rank's rows of a single-process `linear` (copied)."""
+        """This rank's rows of a single-process `linear` (copied, in its dtype)."""
         layer = cls(linear.in_features, linear.out_features, group,
-                    bias=linear.bias is not None, **kw)
+                    bias=linear.bias is not None, **kw).to(dtype=linear.weight.dtype)
         rows = slice(layer.tp_rank * layer.out_per_rank,
                      (layer.tp_rank + 1) * layer.out_per_rank)
         with torch.no_grad():
@@ -152,9 +152,10 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **kw) -> RowParallelLinear:
-        """This rank's columns of a single-process `linear`, and its whole bias."""
+        """This rank's columns of a single-process `linear`, and its whole bias
+        (copied, in its dtype)."""
         layer = cls(linear.in_features, linear.out_features, group,
-                    bias=linear.bias is not None, **kw)
+                    bias=linear.bias is not None, **kw).to(dtype=linear.weight.dtype)
         cols = slice(layer.tp_rank * layer.in_per_rank,
                      (layer.tp_rank + 1) * layer.in_per_rank)
         with torch.no_grad():
@@ -278,10 +279,10 @@ class ParallelSelfAttention(nn.Module):
     @classmethod
     def from_attention(cls, attn: SelfAttention, group=None,
                        sequence_parallel: bool = False) -> ParallelSelfAttention:
-        """This rank's heads of a single-process `SelfAttention`."""
+        """This rank's heads of a single-process `SelfAttention` (in its dtype)."""
         hidden = attn.q.in_features
         out = cls(hidden, hidden // attn.head_dim, group, sequence_parallel,
-                  attn.causal)
+                  attn.causal).to(dtype=attn.q.weight.dtype)
         r, k = out.qkv.tp_rank, hidden // out.qkv.tp
         mine = slice(r * k, (r + 1) * k)  # this rank's heads' features
         with torch.no_grad():
