@@ -105,7 +105,8 @@ except labkit.CollectiveTimeout as e:
     assert t < updates[-1][0] - 1.0  # well before the timeout ended the call
     assert "all_reduce of 1.0 MiB (group of 2)" in line
     assert "of your cell: dist.all_reduce(x)" in line
-    assert "rank 0:" not in updates[-1][1]  # gone when the call ended
+    left = _outputs_left(msgs)  # gone when the call ended: only the print is left
+    assert [v for _, v in left] == ["timed out\n"], left
 
 
 def test_progress_bars_are_drawn_and_the_finished_ones_stay(kernel):
@@ -189,8 +190,8 @@ class Sink:
     def __init__(self):
         self.frames = []
 
-    def __call__(self, bundle, final=False):
-        self.frames.append((bundle["text/plain"], final))
+    def __call__(self, bundle, final=False):  # bundle None: nothing left to show
+        self.frames.append((None if bundle is None else bundle["text/plain"], final))
 
 
 @pytest.fixture()
@@ -241,3 +242,57 @@ def test_a_frontend_that_fails_never_breaks_the_call(monkeypatch, capsys):
     with labkit.Cluster(2) as c:
         assert c.run(hello).values == [0, 1]
     assert capsys.readouterr().out == "[rank 0] still here\n[rank 1] still here\n"
+
+
+def _outputs_left(msgs):
+    """The outputs a frontend keeps after applying the cell's iopub messages."""
+    outs = []
+    for _, kind, content, _ in msgs:
+        did = (content.get("transient") or {}).get("display_id")
+        if kind == "clear_output":
+            outs = []
+        elif kind in ("stream", "display_data", "execute_result", "error"):
+            outs.append((did, content.get("data") or content.get("text")))
+        elif kind == "update_display_data":
+            outs = [(d, content["data"] if d == did else v) for d, v in outs]
+    return outs
+
+
+STRAGGLER = """\
+c8 = labkit.Cluster(8)
+def straggle(rank, world_size):
+    import torch.distributed.tensor  # imported on the ranks, inside the call
+    if rank == 3:
+        time.sleep(6)
+    x = torch.ones(4)
+    dist.all_reduce(x)
+c8.run(straggle)
+c8.close()
+"""
+
+
+def test_status_lines_name_the_cells_line_and_nothing_empty_is_left(kernel):
+    line = {text.strip(): n for n, text in enumerate(STRAGGLER.split("\n"), 1)}
+    msgs, _ = _run(kernel, STRAGGLER, timeout=180)
+    statuses = [s for _, text in _shown(msgs) for s in text.splitlines()
+                if s.startswith("rank ")]
+    waiting = [s for s in statuses if "in all_reduce of 16 B (group of 8)" in s]
+    # the seven ranks that wait name the collective and the cell's own line ...
+    assert {s.split(":")[0] for s in waiting} == {f"rank {r}" for r in
+                                                  (0, 1, 2, 4, 5, 6, 7)}, statuses
+    want = f"line {line['dist.all_reduce(x)']} of your cell: dist.all_reduce(x)"
+    assert all(want in s for s in waiting), statuses
+    # ... the straggler its own line; never Python's machinery or labkit's files
+    sleeping = f"rank 3: line {line['time.sleep(6)']} of your cell: time.sleep(6)"
+    assert any(s.startswith(sleeping) for s in statuses), statuses
+    for bad in ("<frozen", "inspect.py", "<string>", "<dynamic-code>", "rank.py",
+                "wire.py", "call.py"):
+        assert not [s for s in statuses if bad in s], (bad, statuses)
+    # the call printed nothing: the view is taken away, no empty output is left
+    assert _outputs_left(msgs) == [], _outputs_left(msgs)
+
+
+def test_a_quick_silent_call_draws_nothing(kernel):
+    msgs, _ = _run(kernel, "c.run(lambda rank, world_size: rank)\nNone")
+    assert [m for m in msgs if m[1] in ("display_data", "update_display_data",
+                                        "clear_output")] == []

@@ -23,12 +23,8 @@ from labkit.runtime.live import (
 )
 from labkit.runtime.messages import Call, Progress, Raised, Returned, StatusRequest
 from labkit.runtime.output import write_transcript
-from labkit.runtime.results import (
-    RankResults,
-    build_error,
-    describe_busy,
-    describe_live,
-)
+from labkit.runtime.results import RankResults, build_error
+from labkit.runtime.status import describe_busy, describe_live
 
 GRACE = 0.5  # after one rank fails, how long the others get to finish
 STATUS_TIMEOUT = 1.0

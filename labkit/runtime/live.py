@@ -14,6 +14,7 @@ from __future__ import annotations
 import html
 import os
 import time
+import uuid
 from collections import deque
 
 from labkit.runtime.messages import Progress
@@ -42,25 +43,84 @@ def live_frontend() -> bool:
     return "cellId" in meta or "deletedCells" in meta
 
 
+class CellOutputs:
+    """Which cells (execute requests, by msg_id) have sent the frontend an output
+    other than labkit's live views: a view with nothing left to show can then be
+    taken away with `clear_output` where that loses nothing else. Watches the
+    kernel's one Session, through which every stream and display is sent."""
+
+    def __init__(self, session):
+        self.views: set[str] = set()    # display ids of labkit's live views
+        self.others: set[str] = set()   # msg_ids of cells with any other output
+        send = session.send
+
+        def watching(stream, msg_or_type, content=None, parent=None, *args, **kw):
+            try:
+                self._note(msg_or_type, content, parent)
+            except Exception:  # noqa: BLE001  (watching must never break output)
+                pass
+            return send(stream, msg_or_type, content, parent, *args, **kw)
+
+        session.send = watching
+
+    def _note(self, msg, content, parent) -> None:
+        if isinstance(msg, dict):
+            kind = msg.get("header", {}).get("msg_type")
+            content, parent = msg.get("content") or {}, msg.get("parent_header")
+        else:
+            kind = msg
+        if kind not in ("stream", "display_data", "execute_result", "error"):
+            return
+        if ((content or {}).get("transient") or {}).get("display_id") in self.views:
+            return
+        if parent and parent.get("msg_id"):
+            self.others.add(parent["msg_id"])
+
+
+_OUTPUTS: dict = {}
+
+
+def cell_outputs(kernel) -> CellOutputs | None:
+    """The kernel's CellOutputs, made at the first watched call."""
+    session = getattr(kernel, "session", None)
+    if session is None:
+        return None
+    if id(session) not in _OUTPUTS:
+        _OUTPUTS[id(session)] = CellOutputs(session)
+    return _OUTPUTS[id(session)]
+
+
 def display_publisher():
     """publish(bundle, final) -> shows, then updates, one display in the cell that
     is running now, even if another cell runs by the time it is drawn (a call
-    from a thread)."""
+    from a thread). publish(None, True): nothing is left to show; the display is
+    taken away if the cell has no other output (else it is left empty)."""
     from IPython import get_ipython
     from IPython.display import display
 
     ip = get_ipython()
     pub = getattr(ip, "display_pub", None)
     parent = ip.kernel.get_parent("shell")
+    outputs = cell_outputs(ip.kernel)
+    cell = (parent or {}).get("header", {}).get("msg_id")
     handle = None
 
-    def publish(bundle: dict, final: bool = False) -> None:
+    def publish(bundle: dict | None, final: bool = False) -> None:
         nonlocal handle
         token = pub.set_thread_parent(parent) if hasattr(pub, "set_thread_parent") \
             else None
         try:
-            if handle is None:
-                handle = display(bundle, raw=True, display_id=True)
+            if bundle is None:
+                if handle is not None and outputs is not None and \
+                        cell not in outputs.others:
+                    pub.clear_output()      # the view was the cell's only output
+                elif handle is not None:
+                    handle.update({"text/plain": ""}, raw=True)
+            elif handle is None:
+                view = uuid.uuid4().hex
+                if outputs is not None:  # known before its first message is sent
+                    outputs.views.add(view)
+                handle = display(bundle, raw=True, display_id=view)
             else:
                 handle.update(bundle, raw=True)
         finally:
@@ -83,6 +143,7 @@ class LiveView:
         self.statuses: dict[int, str] = {}
         self._drawn = 0.0
         self._dirty = False
+        self.shown = False  # whether anything was drawn in the cell yet
         self.broken = False  # a frontend that failed once is not asked again
 
     def _send(self, bundle: dict, final: bool) -> bool:
@@ -90,6 +151,7 @@ class LiveView:
             return False
         try:
             self.publish(bundle, final)
+            self.shown = True
             return True
         except Exception:  # noqa: BLE001  (a view must never break the call)
             self.broken = True
@@ -126,8 +188,8 @@ class LiveView:
         red = " style='color:#b22'"
         body = "".join(f"<span{red if s == 'stderr' else ''}>{html.escape(t)}</span>"
                        for s, t in transcript)
-        if not bars and not text:
-            body_html = ""
+        if not bars and not text:  # nothing to keep: no output, not a blank one
+            return self._send(None, True) if self.shown else True
         else:
             body_html = self._bars_html() + (f"<pre style='{_PRE}'>{body}</pre>"
                                              if text else "")

@@ -159,3 +159,5 @@ class Status:
     activity: str | None  # "all_reduce of 1.0 MiB (group of 4)", when inside one
     stack: tuple[tuple[str, int, str], ...]  # (file, line, function), outermost first
     seconds: float = 0.0  # how long the current call has run
+    phase: str | None = None  # "joining the process group", "unpickling your function"
+    importing: str | None = None  # the module an import in progress is loading

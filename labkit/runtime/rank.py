@@ -33,7 +33,8 @@ from labkit.runtime.messages import (
 from labkit.units import human_bytes
 
 # What this rank is doing, for status requests. Ledgers set "activity".
-STATE: dict = {"call": None, "activity": None, "started": 0.0, "bars": 0}
+STATE: dict = {"call": None, "activity": None, "started": 0.0, "bars": 0,
+               "phase": "starting"}
 # Namespace shared by the %%ranks cells a rank runs (reset when the rank restarts).
 NAMESPACE: dict = {}
 # The connection calls arrive on (labkit.progress reports over it).
@@ -60,12 +61,14 @@ def rank_main(spec: RankSpec, kernel_gone: tuple[int, ...]) -> int:
         target=_serve_status, args=(status, threading.get_ident()), daemon=True
     ).start()
     t0 = time.perf_counter()
+    STATE["phase"] = "joining the process group"
     try:
         _init_process_group(spec)
     except BaseException as e:  # noqa: BLE001
         wire.send(main, JoinFailed("".join(traceback.format_exception(e))))
         return 1
     wire.send(main, Joined(time.perf_counter() - t0))
+    STATE["phase"] = None
     CONNECTION["main"] = main
     _serve_calls(main, spec.rank, spec.world_size)
     return 0
@@ -119,15 +122,16 @@ def _serve_calls(main: socket.socket, rank: int, world_size: int) -> None:
         t0 = time.perf_counter()
         call_id = None
         try:
-            call: Call = cloudpickle.loads(frame)
+            STATE.update(started=time.monotonic(), phase="unpickling your function")
+            call: Call = cloudpickle.loads(frame)  # may import what the call uses
             call_id = call.call_id
-            STATE.update(call=call_id, started=time.monotonic(), bars=0)
+            STATE.update(call=call_id, bars=0, phase=None)
             value = _to_cpu(call.fn(rank, world_size, *call.args, **call.kwargs))
             reply = Returned(call_id, value, 0.0)
         except BaseException as e:  # noqa: BLE001  (SystemExit too: report, don't die)
             reply = Raised(call_id, describe_exception(e), 0.0)
         finally:
-            STATE.update(call=None, activity=None)
+            STATE.update(call=None, activity=None, phase=None)
         seconds = time.perf_counter() - t0
         sys.stdout.flush()
         sys.stderr.flush()
@@ -178,13 +182,27 @@ def _serve_status(sock: socket.socket, main_ident: int) -> None:
             stack = tuple((f.filename, f.lineno, f.name) for f in reversed(summary)
                           if f.filename != __file__)
         activity = STATE["activity"] or (_collective_in(frame) if frame else None)
+        importing = _importing(frame)
         # let go of the frame before answering: held, it keeps the polled
         # function's locals alive after it returns (the memory ledger would count
         # a finished step's temporaries), and the asker may return at once
         del frame
-        call = STATE["call"]
-        seconds = time.monotonic() - STATE["started"] if call is not None else 0.0
-        wire.send(sock, Status(call, activity, stack, seconds))
+        call, phase = STATE["call"], STATE["phase"]
+        busy = call is not None or phase == "unpickling your function"
+        seconds = time.monotonic() - STATE["started"] if busy else 0.0
+        wire.send(sock, Status(call, activity, stack, seconds, phase, importing))
+
+
+def _importing(frame) -> str | None:
+    """The module the outermost import in progress loads ('torch.distributed'),
+    read from importlib's own frame; None when nothing is being imported."""
+    name = None
+    while frame is not None:
+        if frame.f_code.co_name == "_find_and_load" and \
+                frame.f_code.co_filename.startswith("<frozen importlib"):
+            name = frame.f_locals.get("name", name)
+        frame = frame.f_back
+    return name if isinstance(name, str) else None
 
 
 _PAYLOAD_NAMES = ("tensor", "tensor_list", "output_tensor", "output_tensor_list",

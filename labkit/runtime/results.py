@@ -4,13 +4,11 @@ failure (formatted here, in the kernel, where the notebook's cell sources are)."
 from __future__ import annotations
 
 import html
-import linecache
-import os
 import reprlib
 
 import cloudpickle
 
-from labkit.runtime.messages import RemoteError, Status
+from labkit.runtime.messages import RemoteError
 
 
 class RankError(RuntimeError):
@@ -126,31 +124,6 @@ def format_remote(error: RemoteError) -> str:
         return error.text
 
 
-_TORCH_DIR = os.sep + "torch" + os.sep
-
-
-def describe_busy(status: Status) -> str:
-    """'in all_reduce (torch.distributed), called at File ..., line 4: x = ...'"""
-    stack = status.stack
-    if status.call_id is None and not stack:
-        return "idle"
-    parts = []
-    if status.activity:
-        parts.append(f"in {status.activity} (torch.distributed)")
-    # the innermost torch.distributed frame names the collective
-    dist_frames = [f for f in stack if _TORCH_DIR + "distributed" in f[0]]
-    if dist_frames and not status.activity:
-        parts.append(f"in {dist_frames[-1][2]} (torch.distributed)")
-    user = [f for f in stack if _TORCH_DIR not in f[0]]
-    if user:
-        filename, lineno, name = user[-1]
-        src = linecache.getline(filename, lineno).strip()
-        where = f'File "{filename}", line {lineno}, in {name}'
-        parts.append(("called at " if parts else "at ") + where + (f": {src}" if src
-                                                                    else ""))
-    return ", ".join(parts) or "busy"
-
-
 def build_error(failed: dict, busy: dict[int, str], finished: list[int],
                 timeout: float | None) -> RankError:
     """The exception for a call that did not end well on every rank.
@@ -180,43 +153,3 @@ def build_error(failed: dict, busy: dict[int, str], finished: list[int],
     cls = RankError if failed else CollectiveTimeout
     return cls("\n".join(lines), failures=texts, exceptions=excs, busy=busy,
                finished=finished)
-
-
-def _is_cell(filename: str) -> bool:
-    """A notebook cell's code (ipykernel names cells /tmp/ipykernel_PID/HASH.py)."""
-    return ("ipykernel_" in filename or filename.startswith("<ipython-input")
-            or filename.startswith("<%%ranks"))
-
-
-def describe_live(status: Status) -> str:
-    """'in all_reduce of 1.0 MiB (group of 4), line 4 of your cell: dist.all_reduce(x),
-    1.8 s': one status line for the live view of a call."""
-    parts = []
-    dist_frames = [f for f in status.stack if _TORCH_DIR + "distributed" in f[0]]
-    if status.activity:
-        parts.append(f"in {status.activity}")
-    elif dist_frames:
-        parts.append(f"in {dist_frames[-1][2]}")
-    user = [f for f in status.stack if _TORCH_DIR not in f[0]
-            and os.sep + "labkit" + os.sep + "runtime" not in f[0]]
-    if user:
-        filename, lineno, name = user[-1]
-        where = "your cell" if _is_cell(filename) else os.path.basename(filename)
-        src = _code_only(linecache.getline(filename, lineno))
-        parts.append(f"line {lineno} of {where}" + (f": {src}" if src else ""))
-    parts.append(f"{status.seconds:.1f} s")
-    return ", ".join(parts) if len(parts) > 1 else f"running, {parts[0]}"
-
-
-def _code_only(line: str) -> str:
-    """A source line without its trailing comment (status lines stay short)."""
-    import io
-    import tokenize
-
-    try:
-        for tok in tokenize.generate_tokens(io.StringIO(line.strip()).readline):
-            if tok.type == tokenize.COMMENT:
-                return line.strip()[:tok.start[1]].rstrip()
-    except (tokenize.TokenError, IndentationError, SyntaxError):
-        pass
-    return line.strip()
