@@ -61,13 +61,17 @@ def flat64(x) -> torch.Tensor:
 
 def _same_shape(got, want) -> None:
     if isinstance(want, Mapping):
-        if not isinstance(got, Mapping) or set(got) != set(want):
-            missing = sorted(map(str, set(want) - set(got or {})))
-            extra = sorted(map(str, set(got or {}) - set(want)))
+        if not isinstance(got, Mapping):
+            raise ValueError(f"a {type(got).__name__} compared with a dict")
+        if set(got) != set(want):
+            missing = sorted(map(str, set(want) - set(got)))
+            extra = sorted(map(str, set(got) - set(want)))
             raise ValueError(f"different keys: missing {missing}, extra {extra}")
         for k in want:
             _same_shape(got[k], want[k])
     elif isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)):
+            raise ValueError(f"a {type(got).__name__} compared with a list")
         if len(got) != len(want):
             raise ValueError(f"{len(got)} items compared with {len(want)}")
         for g, w in zip(got, want):

@@ -185,6 +185,35 @@ def test_check_answer(capsys):
         checks.check_answer("x", "3", 3)
 
 
+def test_rounding_tolerance_is_the_references_own_rounding():
+    import torch
+
+    from labkit.checks.common import rounding_tolerance, wrong_element
+    from labkit.numerics import FACTOR
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(40, 30, generator=g), torch.randn(30, 20, generator=g)
+    want, exact = a @ b, a.double() @ b.double()
+    tol = rounding_tolerance(want, exact)
+    own = (want.double() - exact).abs().max().item()
+    unit = torch.finfo(torch.float32).eps / 2
+    floor = checks.common.ROUNDING_UNITS * unit * exact.abs().max().item()
+    assert tol == FACTOR * max(own, floor), (tol, own, floor)
+    # the same product summed in another order (three partial sums, as three
+    # ranks would): within it; a bias or a partial sum more: far outside
+    parts = sum(a[:, i:i + 10] @ b[i:i + 10] for i in (0, 10, 20))
+    assert wrong_element(parts, want, exact) is None, (
+        f"3 partial sums off by {(parts.double() - exact).abs().max():.1e}, "
+        f"{tol:.1e} allowed")
+    bad = parts.clone()
+    bad[3, 4] += 1e-3 * exact.abs().max().item()
+    assert wrong_element(bad, want, exact)[0] == (3, 4), "a wrong element passed"
+    # a float32 reference that happens to be exact still allows a few roundings
+    ones = torch.ones(3)
+    least = FACTOR * checks.common.ROUNDING_UNITS * unit
+    assert rounding_tolerance(ones, ones.double()) == least, "no floor when exact"
+
+
 # -- chapter 05: the bucket flush and uneven shards ------------------------------------
 
 

@@ -49,10 +49,11 @@ def _todo(y, send_counts, recv_counts, order):
 def test_experts_are_uneven_both_ways_with_equal_totals():
     n = 4
     counts = [[_experts(r, n).count(e) for e in range(n)] for r in range(n)]
-    assert all(sum(row) == 10 for row in counts)                  # sent
-    assert all(sum(col) == 10 for col in zip(*counts))            # received
-    assert any(counts[r][e] != counts[e][r] for r in range(n) for e in range(n))
-    assert _experts(1, n) != sorted(_experts(1, n))               # shuffled
+    sent, received = [sum(row) for row in counts], [sum(c) for c in zip(*counts)]
+    assert sent == received == [10] * n, f"sent {sent}, received {received}: 10 each"
+    assert any(counts[r][e] != counts[e][r] for r in range(n) for e in range(n)), (
+        f"the counts are symmetric: {counts}")
+    assert _experts(1, n) != sorted(_experts(1, n)), "not shuffled"
 
 
 def test_moe_combine_check(cluster, capsys):

@@ -91,7 +91,8 @@ def test_a_hang_is_reported_in_seconds(cluster):
     with pytest.raises(ExerciseError, match=r"(?s)deadlock: rank 0 still waiting "
                        r"after 2 s.*rank 0: in all_reduce.*rank 1: finished"):
         check_row_parallel_forward(cluster, _row_rank0_only, timeout=2)
-    assert time.monotonic() - t0 < 10
+    took = time.monotonic() - t0  # the 2 s timeout, not the cluster's 20
+    assert took < 10, f"the deadlock was told after {took:.1f} s, under 10 expected"
     assert check_row_parallel_forward(cluster, _row_good)  # ranks back
 
 

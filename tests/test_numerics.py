@@ -33,6 +33,8 @@ def test_rel_err_is_computed_in_float64():
      r"missing \['b'\]"),
     (torch.ones(3), torch.ones(2), r"shape \(3,\) compared with \(2,\)"),
     ([torch.ones(1)], [torch.ones(1)] * 2, "1 items compared with 2"),
+    ([torch.ones(1)], {"a": torch.ones(1)}, "a list compared with a dict"),
+    (torch.ones(1), [torch.ones(1)], "a Tensor compared with a list"),
 ])
 def test_rel_err_refuses_what_does_not_line_up(got, want, message):
     with pytest.raises(ValueError, match=message):

@@ -50,11 +50,15 @@ def test_gradients_are_the_plain_models(every, last, dropout):
     ref = _grads(plain, _x())
     plain.zero_grad()
     ck = checkpoint(plain, every=every * per, last=last)  # the same parameters
-    assert [id(p) for p in ck.parameters()] == [id(p) for p in plain.parameters()]
+    assert [id(p) for p in ck.parameters()] == [id(p) for p in plain.parameters()], (
+        "checkpoint() must keep the very same parameter objects")
     got = _grads(ck, _x())
     for a, b in zip(got, ref):
-        assert torch.equal(a, b)  # bitwise: the recompute repeats the same ops
-    assert min(g.abs().max().item() for g in ref) > 0  # and they mean something
+        # bitwise: the recompute repeats the same ops, in the same order
+        assert torch.equal(a, b), (f"every={every}, last={last}: a gradient is off "
+                                   f"by {(a - b).abs().max():.1e}, not bit for bit")
+    # and they mean something
+    assert all(g.abs().max() > 0 for g in ref), "a reference gradient is all zeros"
 
 
 def _forward_and_step_peaks(model):
@@ -73,46 +77,55 @@ def test_activation_peaks_against_the_closed_form(k):
     # one (B, D) tensor per layer, L of them, plus the Linear output that lives
     # until its ReLU is done: (L + 1) units at the end of forward.
     plain_fwd, plain_step = _forward_and_step_peaks(_stack())
-    assert plain_fwd == plain_step == (LAYERS + 1) * UNIT
+    assert plain_fwd == plain_step == (LAYERS + 1) * UNIT, (
+        f"plain peaks {plain_fwd:,}, {plain_step:,} B; (L + 1) x {UNIT:,} expected")
     # Blocks of k layers keep only their inputs: the L/k block outputs (each the
     # next block's input; the last is the model's output), plus the same transient.
     ck_fwd, ck_step = _forward_and_step_peaks(checkpoint(_stack(), every=2 * k))
-    assert ck_fwd == (LAYERS // k + 1) * UNIT
+    assert ck_fwd == (LAYERS // k + 1) * UNIT, (
+        f"k={k}: forward peak {ck_fwd:,} B, (L/k + 1) x {UNIT:,} expected")
     # In backward one block at a time is rebuilt: its k layers on top of the kept
     # L/k (Chen et al. 2016, sec. 4), and the scalar loss (8 bytes as counted).
-    assert ck_step - (LAYERS // k + k + 1) * UNIT in range(0, 16)
+    extra = ck_step - (LAYERS // k + k + 1) * UNIT
+    assert extra in range(0, 16), (f"k={k}: step peak {ck_step:,} B, (L/k + k + 1) x "
+                                   f"{UNIT:,} plus under 16 B expected")
     if k == 1:  # a block of one Linear + ReLU saves nothing in this stack
-        assert ck_fwd == plain_fwd
+        assert ck_fwd == plain_fwd, f"k=1: {ck_fwd:,} B, plain {plain_fwd:,}"
     else:
-        assert ck_fwd < plain_fwd
+        assert ck_fwd < plain_fwd, f"k={k}: {ck_fwd:,} B, not below {plain_fwd:,}"
 
 
 def test_recompute_costs_exactly_one_more_forward():
     x = _x()
     plain = count_flops(_stack(), x)
     F = 2 * B * D * D * LAYERS  # 2 FLOPs per multiply-add, L Linear layers
-    assert plain.forward == F
+    assert plain.forward == F, f"plain forward {plain.forward:,} FLOPs, {F:,}"
     # backward: grad of input and of weight per layer, less the first layer's input
     # gradient (x needs none)
-    assert plain.backward == 2 * F - 2 * B * D * D
+    want = 2 * F - 2 * B * D * D
+    assert plain.backward == want, f"plain backward {plain.backward:,}, {want:,}"
     every = count_flops(checkpoint(_stack(), every=4), x)
-    assert every.forward == F and every.backward == plain.backward + F
+    got, want = (every.forward, every.backward), (F, plain.backward + F)
+    assert got == want, f"checkpointed forward, backward {got}, {want} expected"
     # the last block (4 of 8 layers) run plainly: half a forward more, not one
     lazy = count_flops(checkpoint(_stack(), every=8, last=False), x)
-    assert lazy.backward == plain.backward + F // 2
-    assert isinstance(every, Flops) and every.total == every.forward + every.backward
+    want = plain.backward + F // 2
+    assert lazy.backward == want, f"lazy backward {lazy.backward:,}, {want:,}"
+    assert isinstance(every, Flops) and every.total == every.forward + every.backward, (
+        every)
 
 
 def test_timing_helper_returns_times():
     t = time_step(checkpoint(_stack(), every=4), _x(), repeats=2)
-    assert isinstance(t, StepTime) and t.forward > 0 and t.backward > 0  # a timing
+    # a timing: no more asserted
+    assert isinstance(t, StepTime) and t.forward > 0 and t.backward > 0, t
 
 
 def test_checkpointed_module_and_bad_input():
     lin = nn.Linear(D, D)
     wrapped = Checkpointed(lin)
     with torch.no_grad():  # nothing to save: runs plainly
-        assert torch.equal(wrapped(_x()), lin(_x()))
+        assert torch.equal(wrapped(_x()), lin(_x())), "not bit for bit the Linear's"
     with pytest.raises(TypeError, match="Checkpointed"):
         checkpoint(lin)
     with pytest.raises(ValueError, match="every"):

@@ -11,13 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.numerics import Oracle, rel_err
 from labkit.parallel.tensor_parallel import MLP, SelfAttention
 
 pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
 
 S, B, H, HEADS, FFN = 8, 2, 16, 4, 32  # sequence, batch, hidden, heads, MLP width
-TOL = 1e-6  # relative to a tensor's largest element: t partial sums added in
-# another order than one matmul adds them (about 1e-7 apart in fp32)
+# The ranks add t partial sums in another order than one matmul adds them: their
+# results are as far from float64 as one process's (labkit.numerics.Oracle), not
+# bit for bit one process's. What only moves data is bit for bit.
 _BUILT = {}  # per rank process: the groups of each size, built once
 
 
@@ -35,12 +37,14 @@ def _group(t):
     return g.tp_group, g.tp_rank, list(g.tp_ranks)
 
 
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+def _randn(shape, seed, dtype=torch.float32):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)
+                       ).to(dtype)
 
 
-def _randn(shape, seed):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+def _oracle(exact, one_process):
+    """labkit.numerics.Oracle: `exact` in float64, one process's float32."""
+    return Oracle(exact, {"one process": one_process})
 
 
 # -- the mappings ---------------------------------------------------------------
@@ -72,10 +76,18 @@ def _mappings(rank, world_size, t):
     return out
 
 
-def _expected(name, i, ranks):
-    """(y, dx, ops) rank i of `ranks` must see, from every rank's tensors."""
+# what each mapping adds up over ranks (the rest only moves data: bit for bit)
+SUMS = {"reduce_from_tensor_model_parallel_region": "y",
+        "reduce_scatter_to_sequence_parallel_region": "y",
+        "copy_to_tensor_model_parallel_region": "dx",
+        "gather_from_sequence_parallel_region": "dx"}
+
+
+def _expected(name, i, ranks, dtype=torch.float32):
+    """(y, dx, ops) rank i of `ranks` must see, from every rank's tensors (their
+    sums in rank order, in `dtype`)."""
     t = len(ranks)
-    xs = [_randn(X_SHAPE, 100 + r) for r in ranks]
+    xs = [_randn(X_SHAPE, 100 + r, dtype) for r in ranks]
     x, n = xs[i], xs[i].numel()
     k, rows = X_SHAPE[-1] // t, X_SHAPE[0] // t
     last, first = slice(i * k, (i + 1) * k), slice(i * rows, (i + 1) * rows)
@@ -89,7 +101,7 @@ def _expected(name, i, ranks):
          "scatter_to_sequence_parallel_region": x[first],
          "gather_from_sequence_parallel_region": torch.cat(xs, 0),
          "reduce_scatter_to_sequence_parallel_region": sum(xs)[first]}[name]
-    dys = [_randn(y.shape, 200 + r) for r in ranks]
+    dys = [_randn(y.shape, 200 + r, dtype) for r in ranks]
     dy = dys[i]
     dx, fwd, bwd = {
         "copy_to_tensor_model_parallel_region": (sum(dys), None, ("all_reduce", n)),
@@ -119,13 +131,24 @@ def mapped(cluster):
 @pytest.mark.parametrize("name", MAPPINGS)
 def test_each_mapping_forward_and_backward(mapped, t, name):
     for rank, r in enumerate(mapped[t]):
-        assert rank in r["ranks"] and len(r["ranks"]) == t
-        y, dx, ops = _expected(name, r["i"], r["ranks"])
+        assert rank in r["ranks"] and len(r["ranks"]) == t, (rank, r["ranks"])
+        want = dict(zip(("y", "dx", "ops"), _expected(name, r["i"], r["ranks"])))
+        exact = dict(zip(("y", "dx"), _expected(name, r["i"], r["ranks"],
+                                               torch.float64)))
         got = r[name]
-        assert got["y"].shape == y.shape and got["dx"].shape == dx.shape
-        assert rel_err(got["y"], y) <= TOL, (rank, "forward")
-        assert rel_err(got["dx"], dx) <= TOL, (rank, "backward")
-        assert got["ops"] == ops  # the collective each way, and its elements
+        for key in ("y", "dx"):
+            where = f"{name}, t={t}, rank {rank}, {key}"
+            assert got[key].shape == want[key].shape, (
+                f"{where}: shape {tuple(got[key].shape)}, {tuple(want[key].shape)} "
+                "expected")
+            if SUMS.get(name) == key:  # a sum over ranks: rounding, as one process
+                _oracle(exact[key], want[key]).check(got[key], where)
+            else:
+                assert torch.equal(got[key], want[key]), (
+                    f"{where}: off by {(got[key] - want[key]).abs().max():.1e}, "
+                    "expected bit for bit (data moved, nothing added)")
+        # the collective each way, and its elements
+        assert got["ops"] == want["ops"], (name, t, rank, got["ops"], want["ops"])
 
 
 # -- the Linear layers ------------------------------------------------------------
@@ -170,40 +193,50 @@ def linears(cluster):
     return {t: cluster.run(_linears, t).values for t in (2, 4)}
 
 
+def _one_linear(dtype):
+    """One nn.Linear's output and input, weight and bias gradients, in `dtype`."""
+    torch.manual_seed(0)
+    ref = nn.Linear(IN, OUT).to(dtype)
+    x = _randn((S, B, IN), 1, dtype).requires_grad_()
+    y = ref(x)
+    y.backward(_randn((S, B, OUT), 2, dtype))
+    return {"y": y.detach(), "dx": x.grad, "dw": ref.weight.grad,
+            "db": ref.bias.grad}
+
+
+def _linear_wants(ref, i, t):
+    """(output, input grad, weight grad, bias grad) rank i of t holds, by case."""
+    y, dx, dw, db = ref["y"], ref["dx"], ref["dw"], ref["db"]
+    rows = slice(i * OUT // t, (i + 1) * OUT // t)
+    cols = slice(i * IN // t, (i + 1) * IN // t)
+    seq = slice(i * S // t, (i + 1) * S // t)
+    return {"column": (y[..., rows], dx, dw[rows], db[rows]),
+            "column, gather_output": (y, dx, dw[rows], db[rows]),
+            "column, sequence_parallel": (y[..., rows], dx[seq], dw[rows], db[rows]),
+            "row": (y, dx[..., cols], dw[:, cols], db),
+            "row, whole input": (y, dx, dw[:, cols], db),
+            "row, sequence_parallel": (y[seq], dx[..., cols], dw[:, cols], None)}
+
+
 @pytest.mark.parametrize("t", [2, 4])
 def test_linear_layers_match_one_nn_linear(linears, t):
-    torch.manual_seed(0)
-    ref = nn.Linear(IN, OUT)
-    x = _randn((S, B, IN), 1).requires_grad_()
-    y = ref(x)
-    y.backward(_randn((S, B, OUT), 2))
+    one, exact = _one_linear(torch.float32), _one_linear(torch.float64)
     for r in linears[t]:
         i = r["i"]
-        rows = slice(i * OUT // t, (i + 1) * OUT // t)
-        cols = slice(i * IN // t, (i + 1) * IN // t)
-        seq = slice(i * S // t, (i + 1) * S // t)
-        want = {  # (output, input grad, weight grad, bias grad) this rank holds
-            "column": (y[..., rows], x.grad, ref.weight.grad[rows],
-                       ref.bias.grad[rows]),
-            "column, gather_output": (y, x.grad, ref.weight.grad[rows],
-                                      ref.bias.grad[rows]),
-            "column, sequence_parallel": (y[..., rows], x.grad[seq],
-                                          ref.weight.grad[rows], ref.bias.grad[rows]),
-            "row": (y, x.grad[..., cols], ref.weight.grad[:, cols], ref.bias.grad),
-            "row, whole input": (y, x.grad, ref.weight.grad[:, cols], ref.bias.grad),
-            "row, sequence_parallel": (y[seq], x.grad[..., cols],
-                                       ref.weight.grad[:, cols], None),
-        }
-        for name, wants in want.items():
-            for key, w in zip(("y", "dx", "dw", "db"), wants):
+        wants, exacts = _linear_wants(one, i, t), _linear_wants(exact, i, t)
+        for name, case in wants.items():
+            for key, w, e in zip(("y", "dx", "dw", "db"), case, exacts[name]):
                 if w is not None:
-                    got = r[name][key]
-                    assert got.shape == w.shape, (name, key)
-                    assert rel_err(got, w.detach()) <= TOL, (name, key, i)
+                    got, where = r[name][key], f"{name}, t={t}, rank {i}, {key}"
+                    assert got.shape == w.shape, (
+                        f"{where}: shape {tuple(got.shape)}, {tuple(w.shape)} "
+                        "expected")
+                    _oracle(e, w).check(got, where)
     # sequence parallel: each rank's bias sees its rows only; the sum is the bias's
     # gradient (what the all-reduce over the group that the bias is marked for gives)
     db = sum(r["row, sequence_parallel"]["db"] for r in linears[t][:t])
-    assert rel_err(db, ref.bias.grad) <= TOL
+    _oracle(exact["db"], one["db"]).check(
+        db, f"row, sequence_parallel, t={t}: the ranks' bias gradients summed")
 
 
 # -- MLP and attention: several SGD steps ------------------------------------------
@@ -222,7 +255,8 @@ def _reference(which):
 def _train(model, steps=STEPS):
     """Outputs and input gradients of each step, and the first step's gradients."""
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    x, target = _randn((S, B, H), 1), _randn((S, B, H), 2)
+    dtype = next(model.parameters()).dtype
+    x, target = _randn((S, B, H), 1, dtype), _randn((S, B, H), 2, dtype)
     outs, dxs, grads = [], [], None
     for _ in range(steps):
         opt.zero_grad()
@@ -246,7 +280,7 @@ def _train_parallel(rank, world_size, t, which):
     model = (ParallelMLP.from_mlp(ref, group) if which == "mlp"
              else ParallelSelfAttention.from_attention(ref, group))
     if which != "mlp":
-        assert model.causal == ref.causal == (which == "attention")
+        assert model.causal == ref.causal == (which == "attention"), model.causal
     return {"i": i, **_train(model)}
 
 
@@ -277,19 +311,29 @@ def trained(cluster):
 @pytest.mark.parametrize("which", WHICH)
 def test_training_matches_one_process(trained, t, which):
     want = _train(_reference(which))
-    start = dict(_reference(which).named_parameters())
+    exact = _train(_reference(which).double())
+    start = {k: v.detach() for k, v in _reference(which).named_parameters()}
     for r in trained[t, which]:
-        for step in range(STEPS):
-            assert rel_err(r["outs"][step], want["outs"][step]) <= TOL
-            assert rel_err(r["dxs"][step], want["dxs"][step]) <= TOL
-        for key in ("grads", "params"):
+        where = f"{which}, t={t}, rank {r['i']}"
+        # every step's output and input gradient, all together
+        for key in ("outs", "dxs"):
+            _oracle(exact[key], want[key]).check(r[key], f"{where}: {key}")
+        for key in ("grads", "params"):  # this rank's shards
             shards = _shards(want[key], which, r["i"], t)
-            assert r[key].keys() == shards.keys()
+            assert r[key].keys() == shards.keys(), (where, key, sorted(r[key]))
             for k, v in shards.items():
-                assert r[key][k].shape == v.shape
-                assert rel_err(r[key][k], v) <= TOL, (key, k, r["i"])
-        moved = _shards({k: v.detach() for k, v in start.items()}, which, r["i"], t)
-        assert all(rel_err(r["params"][k], v) > 1e-3 for k, v in moved.items())
+                assert r[key][k].shape == v.shape, (
+                    f"{where}: {key} {k} {tuple(r[key][k].shape)}, "
+                    f"{tuple(v.shape)} expected")
+            oracle = _oracle(_shards(exact[key], which, r["i"], t), shards)
+            oracle.check(r[key], f"{where}: {key}")
+        moved = _shards(start, which, r["i"], t)
+        oracle.resolves(moved, f"{where}: the untrained shards")
+        for k, v in moved.items():  # every tensor moved
+            err = rel_err(r["params"][k], v)
+            assert err > 100 * oracle.allowed, (
+                f"{where}: {k} moved {err:.1e}, not more than 100 x the "
+                f"{oracle.allowed:.1e} allowed")
 
 
 # -- traffic ---------------------------------------------------------------------
@@ -316,14 +360,18 @@ def _traffic(rank, world_size, t, which):
 def test_one_all_reduce_forward_and_one_backward(cluster, t, which):
     n = BIG_S * BIG_B * BIG_H
     for records in cluster.run(_traffic, t, which):
-        assert [(r.op, r.phase, r.group_size, r.elements) for r in records] == [
-            ("all_reduce", "forward", t, n), ("all_reduce", "backward", t, n)]
+        calls = [(r.op, r.phase, r.group_size, r.elements) for r in records]
+        assert calls == [("all_reduce", "forward", t, n),
+                         ("all_reduce", "backward", t, n)], calls
         for r in records:
-            assert r.payload_bytes == 4 * n
-            assert r.bus_bytes == 2 * (t - 1) / t * 4 * n
+            assert r.payload_bytes == 4 * n, f"payload {r.payload_bytes:,} B, 4n"
+            bus = 2 * (t - 1) / t * 4 * n
+            assert r.bus_bytes == bus, f"bus {r.bus_bytes:,} B, {bus:,.0f} expected"
             # written to the sockets: the ring's 2(t-1)/t of the payload in 2(t-1)
             # steps, plus gloo's header in each (measured: 288 bytes a step)
-            assert 0 <= r.wire_bytes - r.bus_bytes <= 2 * (t - 1) * 512
+            extra = r.wire_bytes - r.bus_bytes
+            assert 0 <= extra <= 2 * (t - 1) * 512, (
+                f"{extra:,} B beyond the bus bytes, at most 512 a step allowed")
 
 
 # -- sizes that cannot be split ---------------------------------------------------
@@ -421,16 +469,34 @@ def _dtensor(rank, world_size, t):
     return out
 
 
+def _one_mlp(dtype):
+    """One process's MLP: output, input gradient and weight gradients."""
+    m = _reference("mlp").to(dtype)
+    x = _randn((S, B, H), 1, dtype).requires_grad_()
+    y = m(x)
+    y.backward(_randn((S, B, H), 2, dtype))
+    return {"y": y.detach(), "dx": x.grad,
+            "grads": {k: p.grad for k, p in m.named_parameters()}}
+
+
 @pytest.mark.parametrize("t", [2, 4])
 def test_same_as_dtensor_colwise_rowwise(cluster, t):
     n = S * B * H
+    one, exact = _one_mlp(torch.float32), _one_mlp(torch.float64)
     for r in cluster.run(_dtensor, t):
-        ours, theirs = r["ours"], r["theirs"]
-        assert rel_err(ours["y"], theirs["y"]) <= TOL
-        assert rel_err(ours["dx"], theirs["dx"]) <= TOL
-        assert ours["grads"].keys() == theirs["grads"].keys()
-        for k, g in theirs["grads"].items():
-            assert ours["grads"][k].shape == g.shape
-            assert rel_err(ours["grads"][k], g) <= TOL, k
+        # both as far from float64 as one process: within 2x that of each other
+        for who in ("ours", "theirs"):
+            got, where = r[who], f"{who}, t={t}, rank {r['i']}"
+            for key in ("y", "dx"):
+                _oracle(exact[key], one[key]).check(got[key], f"{where}: {key}")
+            grads = _shards(one["grads"], "mlp", r["i"], t)
+            assert got["grads"].keys() == grads.keys(), (where, sorted(got["grads"]))
+            for k, g in grads.items():
+                assert got["grads"][k].shape == g.shape, (
+                    f"{where}: grad {k} {tuple(got['grads'][k].shape)}, "
+                    f"{tuple(g.shape)} expected")
+            _oracle(_shards(exact["grads"], "mlp", r["i"], t), grads).check(
+                got["grads"], f"{where}: weight gradients")
         want = [("all_reduce", "forward", n), ("all_reduce", "backward", n)]
-        assert ours["ops"] == want and theirs["ops"] == want
+        assert r["ours"]["ops"] == want and r["theirs"]["ops"] == want, (
+            r["ours"]["ops"], r["theirs"]["ops"], want)

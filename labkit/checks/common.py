@@ -179,13 +179,55 @@ def first_wrong(got, want, *, rel: float = 0.0, atol: float = 0.0):
     return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), want.shape))
 
 
+# How far a right answer in float32 may be from the exact (float64) result: as far
+# as the check's own float32 reference is, FACTOR (labkit.numerics) times over,
+# since a student's sums run in another order and round as differently as two
+# orders in one process do. ROUNDING_UNITS units of rounding of the dtype, times
+# the largest element, is the least allowed: a reference that happens to round
+# exactly would otherwise allow nothing. A real mistake (a missing or doubled
+# term) is off by a sizeable fraction of an element.
+ROUNDING_UNITS = 4
+
+
+def rounding_tolerance(want, exact) -> float:
+    """The largest difference from `exact` (the reference computed in float64)
+    that an answer in `want`'s dtype may have, element by element: FACTOR times
+    the float32 reference `want`'s own largest difference from `exact`, at least
+    ROUNDING_UNITS units of rounding times exact's largest element."""
+    import torch
+
+    from labkit.numerics import FACTOR
+
+    if exact.numel() == 0:
+        return 0.0
+    exact = exact.detach().double()
+    own = (want.detach().double() - exact).abs().max().item()
+    unit = torch.finfo(want.dtype).eps / 2 if want.dtype.is_floating_point else 0.0
+    return FACTOR * max(own, ROUNDING_UNITS * unit * exact.abs().max().item())
+
+
+def wrong_element(got, want, exact):
+    """(index, got, expected, allowed) of the first element of `got` farther from
+    `exact` than rounding_tolerance(want, exact) (NaN and inf are wrong), or None.
+    `want` is the float32 reference, `exact` the same computed in float64."""
+    tol = rounding_tolerance(want, exact)
+    i = first_wrong(got, exact, atol=tol)
+    return None if i is None else (i, float(got[i]), float(exact[i]), tol)
+
+
 def compare(where: str, got, want, *, hint: str = "", rel: float = 0.0,
-            atol: float = 0.0, name=None) -> None:
+            atol: float = 0.0, name=None, exact=None) -> None:
     """ExerciseError unless tensor `got` equals tensor `want` (same type, shape and
-    dtype; every element within atol + rel·|want|). The message gives `where`, the
+    dtype; every element within atol + rel·|want|). With `exact`, `want` computed
+    in float64: every element within rounding_tolerance(want, exact) of it, the
+    float32 reference's own rounding, instead. The message gives `where`, the
     first wrong element (named by `name(index)` if given), got and expected."""
     check_like(where, got, want, hint)
-    idx = first_wrong(got, want, rel=rel, atol=atol)
+    if exact is not None:
+        idx = first_wrong(got, exact, atol=rounding_tolerance(want, exact))
+        want = exact
+    else:
+        idx = first_wrong(got, want, rel=rel, atol=atol)
     if idx is not None:
         label = name(idx) if name else f"element {list(idx)}"
         raise ExerciseError(f"{where}, {label}: got {float(got[idx]):.6g}, expected "

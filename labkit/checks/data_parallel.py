@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from labkit.checks.common import NOT_YET, PASSED, ExerciseError, run_answer
+from labkit.checks.common import (
+    NOT_YET,
+    PASSED,
+    ExerciseError,
+    first_wrong,
+    rounding_tolerance,
+    run_answer,
+)
 
 
 _FLUSH_BUCKETS = (("2.bias", "2.weight"), ("0.bias", "0.weight"))  # backward order
@@ -26,27 +33,35 @@ def _rows_of(rank: int, n: int, seed: int = 7):
     return torch.randn(n, 6, generator=g)
 
 
-def _local_grads(x) -> dict:
-    """This data's gradients of the small MLP (a mean loss), by parameter name."""
-    model = _small_mlp()
-    model(x).square().mean().backward()
+def _local_grads(x, dtype: str = "float32") -> dict:
+    """This data's gradients of the small MLP (a mean loss), by parameter name, in
+    float32 (what a rank computes) or float64 (the exact answer)."""
+    import torch
+
+    to = getattr(torch, dtype)
+    model = _small_mlp().to(to)
+    model(x.to(to)).square().mean().backward()
     return {name: p.grad for name, p in model.named_parameters()}
 
 
-def _where(got, want, rel: float = 1e-5):
-    """Index (a tuple) of the first element that differs, or None."""
-    import torch
-
-    tol = rel * max(want.abs().max().item(), 1e-12)
-    bad = ((got - want).abs() > tol).reshape(-1).nonzero()
-    if len(bad) == 0:
-        return None
-    flat = int(bad[0])
-    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), want.shape))
+def _where(got, want, exact):
+    """Index (a tuple) of the first element of `got` farther from `exact` (the
+    float64 answer) than the float32 reference `want` rounds, or None: the ranks
+    add in another order than one process, and round as much (labkit.numerics)."""
+    return first_wrong(got, exact, atol=rounding_tolerance(want, exact))
 
 
-def _close(a, b, rel: float = 1e-5) -> bool:
-    return a.shape == b.shape and _where(a, b, rel) is None
+# The hints only name a mistake already found: `_close` recognises one within
+# this much of the largest element, far above rounding (~1e-7) and far below
+# what tells the mistakes apart (a factor n, one rank's gradient: ~1e-1).
+DIAGNOSIS_REL = 1e-4
+
+
+def _close(a, b) -> bool:
+    """A diagnosis, not a pass criterion: `a` is `b` up to DIAGNOSIS_REL of b's
+    largest element."""
+    tol = DIAGNOSIS_REL * max(b.abs().max().item(), 1e-12)
+    return a.shape == b.shape and bool(((a - b).abs() <= tol).all())
 
 
 def _bucket_flush_worker(rank, world_size, flush):
@@ -116,6 +131,7 @@ def check_bucket_flush(cluster, flush) -> bool:
     if res is None:
         return NOT_YET
     local = [_local_grads(_rows_of(r, 4)) for r in range(n)]
+    local64 = [_local_grads(_rows_of(r, 4), "float64") for r in range(n)]
     sizes = dict(_small_mlp().named_parameters())
     for rank, (grads, returned, calls, started) in enumerate(res):
         for b, ok in enumerate(returned):
@@ -147,8 +163,9 @@ def check_bucket_flush(cluster, flush) -> bool:
         for b, names in enumerate(_FLUSH_BUCKETS):
             for name in names:
                 want = sum(local[r][name] for r in range(n)) / n
+                exact = sum(local64[r][name] for r in range(n)) / n
                 got = grads[name]
-                at = _where(got, want)
+                at = _where(got, want, exact)
                 if at is None:
                     continue
                 where = (f"rank {rank}, bucket {b}, tensor {name!r}, element "
@@ -203,12 +220,14 @@ def check_uneven_shards(cluster, sync) -> bool:
     if res is None:
         return NOT_YET
     sizes = _uneven_sizes(n)
-    full = _local_grads(torch.cat([_rows_of(r, sizes[r]) for r in range(n)]))
+    everything = torch.cat([_rows_of(r, sizes[r]) for r in range(n)])
+    full = _local_grads(everything)
+    full64 = _local_grads(everything, "float64")
     local = [_local_grads(_rows_of(r, sizes[r])) for r in range(n)]
     for rank, (grads, reduced) in enumerate(res):
         for name, want in full.items():
             got = grads[name]
-            at = _where(got, want)
+            at = _where(got, want, full64[name])
             if at is None:
                 continue
             plain = sum(g[name] for g in local) / n
@@ -289,6 +308,7 @@ def check_bytes_per_step(fn, measured: dict | None = None) -> bool:
                             f"{where}[{key!r}] = {value:,.6g} bytes, but the traffic "
                             f"ledger measured {b:,.6g} written by {who} in section 4"
                             f". Hint: {_BYTES_HINTS[key]}")
+            # the closed form in float64: 1e-9 absorbs another order's rounding
             if abs(value - want[key]) > 1e-9 * want[key]:
                 why = _BYTES_HINTS[key]
                 if key == "server" and abs(value - n * s) <= 1e-9 * n * s:

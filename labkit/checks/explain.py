@@ -12,40 +12,20 @@ import re
 
 from labkit.checks.watch import AnswerRaised
 from labkit.runtime.results import CollectiveTimeout, RankError
-
-_LABKIT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LIBRARY = (os.sep + "torch" + os.sep, os.sep + "site-packages" + os.sep,
-            os.path.dirname(os.__file__) + os.sep)
-
+from labkit.runtime.status import is_cell, is_users
 
 # ------------------------------------------------------------ where it happened
 
 
-# code typed by a person that has no file of its own; every other "<...>" name is
-# code made by a program: "<string>" (a dataclass's or namedtuple's generated
-# __init__), "<frozen importlib._bootstrap>", "<attrs generated init ...>"
-_TYPED = ("<ipython-input", "<stdin>", "<console")
-
-
-def _generated(filename: str) -> bool:
-    return filename.startswith("<") and not filename.startswith(_TYPED)
-
-
 def student_frame(frames):
-    """The innermost (file, line, function) that is neither labkit's, torch's nor
-    the standard library's, nor code generated at run time: the student's own
-    code. None if there is none."""
+    """The innermost (file, line, function) of the student's own code: neither
+    labkit's, torch's nor the standard library's, nor code generated at run time
+    (labkit.runtime.status.is_users, which status lines use too). None if there
+    is none."""
     for filename, lineno, name in reversed(frames or []):
-        path = os.path.abspath(filename) if os.sep in filename else filename
-        if path.startswith(_LABKIT + os.sep) or any(s in path for s in _LIBRARY) \
-                or _generated(filename):
-            continue
-        return filename, lineno, name
+        if is_users(filename):
+            return filename, lineno, name
     return None
-
-
-def _is_cell(filename: str) -> bool:
-    return "ipykernel_" in filename or filename.startswith("<ipython-input")
 
 
 def at_line(frame) -> str:
@@ -54,7 +34,7 @@ def at_line(frame) -> str:
         return ""
     filename, lineno, name = frame
     src = linecache.getline(filename, int(lineno)).strip()
-    where = "your cell" if _is_cell(filename) else os.path.basename(filename)
+    where = "your cell" if is_cell(filename) else os.path.basename(filename)
     return f" at line {lineno} of {where}, in {name}" + (f": `{src}`" if src else "")
 
 

@@ -3,6 +3,8 @@ and the share of the weights a rank holds at its peak."""
 
 from __future__ import annotations
 
+import copy
+
 from labkit.checks.common import (
     NOT_YET,
     PASSED,
@@ -10,6 +12,7 @@ from labkit.checks.common import (
     ExerciseError,
     call_answer,
     run_answer,
+    wrong_element,
 )
 
 IN, OUT = 10, 7  # a Linear whose weight (70) and bias (7) are not multiples of 4
@@ -75,6 +78,7 @@ def _hooks_worker(rank, world_size, fn):
                 raise
             out = err
     return {"seen": seen, "out": out, "want_out": full(x).detach(),
+            "exact_out": copy.deepcopy(full).double()(x.double()).detach(),
             "want": {n: p.detach() for n, p in full.named_parameters()},
             "held": _held(layer), "ops": set(t.by_op())}
 
@@ -121,8 +125,12 @@ def check_zero3_hooks(cluster, fn) -> bool:
                     f"rank {rank}, tensor {name}, element {i}: forward saw "
                     f"{float(got[i]):.6g}, expected {float(want[i]):.6g} (the shards "
                     "go in rank order: rank r's piece is elements [r*s, (r+1)*s))")
-        if isinstance(r["out"], Exception) or not (
-                r["out"] - r["want_out"]).abs().max() <= 1e-6:
+        # the parameters were bit for bit full's: the output is one process's,
+        # to its float32 rounding (a student's weight laid out otherwise may take
+        # another kernel)
+        out = r["out"]
+        if getattr(out, "shape", None) != r["want_out"].shape or wrong_element(
+                out, r["want_out"], r["exact_out"]) is not None:
             raise ExerciseError(f"rank {rank}: the parameters were right but the "
                                 "output is not: do not change the input or output")
         big = {k: v for k, v in r["held"].items()
@@ -161,6 +169,8 @@ def check_peak_share(fn, measured: dict[tuple[int, int], float]) -> bool:
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             raise ExerciseError(f"peak_share({n}, {u}) returned {got!r}: return a "
                                 "number, the fraction of the whole fp32 weights")
+        # 0.1%: the ledger's fractions are byte counts of whole tensors, the
+        # closed form's an ideal; not a rounding
         if abs(got - want) > 1e-3 * want:
             source = ("the memory ledger measured" if (n, u) in measured
                       else "expected")

@@ -52,6 +52,17 @@ def _grads(model_or_stage) -> dict:
     return {k: p.grad.detach().clone() for k, p in model_or_stage.named_parameters()}
 
 
+def _one_process_grads(dtype: str) -> dict:
+    """One process's gradients of the whole batch's loss, in float32 or float64."""
+    import torch
+    import torch.nn.functional as F
+
+    to = getattr(torch, dtype)
+    model, (x, y) = _model().to(to), _batch()
+    F.mse_loss(model(x.to(to)), y.to(to)).backward()
+    return _grads(model)
+
+
 def _sizes(p: int, m: int) -> None:
     if not 1 <= p <= 8:
         raise ValueError(f"these checks split an 8-layer model: they need 1 to 8 "
@@ -142,8 +153,6 @@ def check_1f1b_order(cluster, fn, m: int = 6) -> bool:
     list of ("F", i) and ("B", i). Each rank computes its own; the first wrong
     step is named. A right answer then drives a real pipeline step on the ranks,
     whose gradients must be one process's."""
-    import torch.nn.functional as F
-
     p = cluster.world_size
     _sizes(p, m)
     res = _run(cluster, _order_worker, fn, m, what="1F1B order", case=f"p={p}, m={m}")
@@ -153,13 +162,13 @@ def check_1f1b_order(cluster, fn, m: int = 6) -> bool:
         if (problem := _order_problem(p, m, rank, r)) is not None:
             raise ExerciseError(problem)
     ran = cluster.run(_pipeline_worker, [r["order"] for r in res], m)
-    model, (x, y) = _model(), _batch()
-    F.mse_loss(model(x), y).backward()
-    ref = _grads(model)
+    ref, exact = (_one_process_grads(dtype) for dtype in ("float32", "float64"))
     for rank, r in enumerate(ran):
-        for name, g in r["grads"].items():  # micro-batch sums: rounding, not 1e-9
+        # the micro-batches' gradients are summed in another order than one
+        # process's whole batch: as far from float64 as one process's are
+        for name, g in r["grads"].items():
             compare(f"rank {rank}: the order is right, but the gradient of {name}",
-                    g, ref[name], rel=1e-5, atol=1e-7,
+                    g, ref[name], exact=exact[name],
                     hint="the pipeline step should give one process's gradients")
     held = [r["in_flight"] for r in ran]
     print(f"correct: every stage's {2 * m} passes in 1F1B order; run on {p} real "

@@ -6,28 +6,48 @@ mistake."""
 
 from __future__ import annotations
 
+import copy
+
 from labkit.checks.common import (
     NOT_YET,
     PASSED,
     SHORT_TIMEOUT,
     ExerciseError,
-    first_wrong,
+    rounding_tolerance,
     run_answer,
+    wrong_element,
 )
 
 IN, OUT, FFN = 12, 7, 16  # Linear(12, 7); 12 and 16 divide by 2, 3, 4 ranks
 SEQ, BATCH = 5, 3
 
 
-def _first_wrong(got, want, rel: float = 1e-5):
-    """(index, got, expected) of the first element off by more than rel of the
-    largest expected element, or None."""
-    i = first_wrong(got, want, atol=rel * max(want.abs().max().item(), 1e-12))
-    return None if i is None else (i, float(got[i]), float(want[i]))
+# An answer passes within its float32 reference's own rounding (the reference
+# against the same computed in float64: common.rounding_tolerance). The hints
+# only name a mistake already found: `_like` recognises one within this much of
+# the largest element, far above rounding (~1e-7) and far below what tells the
+# mistakes apart (a bias, a factor t: ~1e-1).
+DIAGNOSIS_REL = 1e-4
 
 
-def _close(got, want, rel: float = 1e-5) -> bool:
-    return got.shape == want.shape and _first_wrong(got, want, rel) is None
+def _first_wrong(got, want, exact):
+    """(index, got, expected) of the first element of `got` farther from `exact`
+    (float64) than the float32 reference `want` rounds, or None."""
+    bad = wrong_element(got, want, exact)
+    return None if bad is None else bad[:3]
+
+
+def _close(got, want, exact) -> bool:
+    """The pass criterion: `got` is `exact` to the float32 reference's rounding."""
+    return got.shape == want.shape and _first_wrong(got, want, exact) is None
+
+
+def _like(got, guess) -> bool:
+    """A diagnosis, not a pass criterion: `got` is `guess` up to DIAGNOSIS_REL of
+    its largest element."""
+    tol = DIAGNOSIS_REL * max(guess.abs().max().item(), 1e-12)
+    return got.shape == guess.shape and bool(
+        ((got.double() - guess.double()).abs() <= tol).all())
 
 
 def _fmt(shape) -> str:
@@ -61,7 +81,9 @@ def _row_worker(rank, world_size, fn):
         y = fn(x_part, w_part, bias, None)
     partial = x[..., cols] @ full.weight.detach()[:, cols].T
     return {"y": y if isinstance(y, torch.Tensor) else repr(y)[:80],
-            "want": full(x).detach(), "partial": partial, "bias": bias,
+            "want": full(x).detach(),
+            "exact": copy.deepcopy(full).double()(x.double()).detach(),
+            "partial": partial, "bias": bias,
             "ops": [(r.op, r.elements) for r in led.records]}
 
 
@@ -95,7 +117,7 @@ def check_row_parallel_forward(cluster, fn, *, timeout: float = SHORT_TIMEOUT
                 f"rank {rank}: the output has shape {_fmt(y.shape)}, expected "
                 f"{_fmt(want.shape)}: x_part (5, 3, 12/t) @ w_part.T (12/t, 7) is "
                 "(5, 3, 7), and every rank returns the whole output")
-        wrong = _first_wrong(y, want)
+        wrong = _first_wrong(y, want, r["exact"])
         if wrong is not None:
             i, got, exp = wrong
             raise ExerciseError(
@@ -114,16 +136,16 @@ def check_row_parallel_forward(cluster, fn, *, timeout: float = SHORT_TIMEOUT
 
 
 def _row_hint(y, want, partial, bias, t) -> str:
-    if _close(y, want + (t - 1) * bias):
+    if _like(y, want + (t - 1) * bias):
         return (f"The output is {t - 1} bias(es) too large: every rank added the "
                 "bias before the all-reduce, which summed it t times. Add it once, "
                 "after the reduction.")
-    if _close(y, want - bias):
+    if _like(y, want - bias):
         return "The output lacks the bias: add it once, after the all-reduce."
-    if _close(y, partial + bias) or _close(y, partial):
+    if _like(y, partial + bias) or _like(y, partial):
         return ("This is only this rank's partial sum (its columns of W): all-reduce "
                 "it over the group (dist.all_reduce sums in place).")
-    if _close(y, want / t) or _close(y, (want - bias) / t + bias):
+    if _like(y, want / t) or _like(y, (want - bias) / t + bias):
         return ("The output is 1/t of the answer: all-reduce sums the partial "
                 "products, it must not average them (op=SUM, the default).")
     return ("Compute x_part @ w_part.T on this rank, all-reduce that over the group "
@@ -142,13 +164,25 @@ def _mlp():
     return MLP(IN, FFN)
 
 
-def _reference():
-    """One process: the MLP's output, and the gradients of (y * dy).sum()."""
-    mlp, (x, dy) = _mlp(), _x_dy()
-    x = x.clone().requires_grad_()
+def _reference(dtype: str = "float32"):
+    """One process: the MLP's output, and the gradients of (y * dy).sum(), in
+    float32 (what a rank computes) or float64 (the exact answer)."""
+    import torch
+
+    to = getattr(torch, dtype)
+    mlp, (x, dy) = _mlp().to(to), _x_dy()
+    x = x.to(to).requires_grad_()
     y = mlp(x)
-    y.backward(dy)
+    y.backward(dy.to(to))
     return y.detach(), x.grad, {k: p.grad for k, p in mlp.named_parameters()}
+
+
+def _sliced(grads: dict, lo: int, hi: int) -> dict:
+    """The gradients a rank holding hidden units lo:hi has."""
+    return {"fc1.weight": grads["fc1.weight"][lo:hi],
+            "fc1.bias": grads["fc1.bias"][lo:hi],
+            "fc2.weight": grads["fc2.weight"][:, lo:hi],
+            "fc2.bias": grads["fc2.bias"]}
 
 
 def _x_dy():
@@ -201,14 +235,11 @@ def check_conjugate_operators(cluster, f, g, *, timeout: float = SHORT_TIMEOUT
         return NOT_YET
     t = cluster.world_size
     y, dx, grads = _reference()
+    y64, dx64, grads64 = _reference("float64")
     for rank, r in enumerate(res):
-        lo, hi = r["mine"]
-        want = {"fc1.weight": grads["fc1.weight"][lo:hi],
-                "fc1.bias": grads["fc1.bias"][lo:hi],
-                "fc2.weight": grads["fc2.weight"][:, lo:hi],
-                "fc2.bias": grads["fc2.bias"]}
-        if not _close(r["y"], y):
-            raise ExerciseError(_fg_message(rank, "the output", r["y"], y, t, (
+        want, exact = (_sliced(g, *r["mine"]) for g in (grads, grads64))
+        if not _close(r["y"], y, y64):
+            raise ExerciseError(_fg_message(rank, "the output", r["y"], y, y64, t, (
                 "The forward is wrong: f must return x unchanged (every rank "
                 "already holds the whole x) and g must sum the t partial outputs "
                 "(all-reduce, op=SUM).")))
@@ -219,14 +250,15 @@ def check_conjugate_operators(cluster, f, g, *, timeout: float = SHORT_TIMEOUT
                 "MyF.apply(x, group), not a tensor made under no_grad or detached")
         for name, w in want.items():
             got = r["grads"][name]
-            if got is None or not _close(got, w):
+            if got is None or not _close(got, w, exact[name]):
                 raise ExerciseError(_fg_message(rank, f"the gradient of {name}", got,
-                                                w, t, (
+                                                w, exact[name], t, (
                     "g's backward must be the identity: the loss's gradient reaches "
                     "every rank's partial output whole, and an all-reduce there "
                     "multiplies it by t.")))
-        if not _close(r["dx"], dx):
-            raise ExerciseError(_fg_message(rank, "x's gradient", r["dx"], dx, t, (
+        if not _close(r["dx"], dx, dx64):
+            raise ExerciseError(_fg_message(rank, "x's gradient", r["dx"], dx, dx64,
+                                            t, (
                 "f's backward must all-reduce (sum) the gradient: each rank's x.grad "
                 "holds only the part that flowed through its own columns of the "
                 "first layer.")))
@@ -236,21 +268,23 @@ def check_conjugate_operators(cluster, f, g, *, timeout: float = SHORT_TIMEOUT
                 f"rank {rank}: the values are right, but the collectives were {ops} "
                 "(phase, op): f and g together need one all-reduce forward (g) and "
                 "one backward (f)")
+    allowed = max(rounding_tolerance(a, b) for a, b in (
+        (y, y64), (dx, dx64), *((grads[k], grads64[k]) for k in grads)))
     print(f"correct: output, x's gradient and every weight's gradient match one "
-          f"process on all {t} ranks, with one all-reduce forward (g) and one "
-          "backward (f)")
+          f"process on all {t} ranks (within {allowed:.1g}, the rounding of one "
+          "process's float32), with one all-reduce forward (g) and one backward (f)")
     return PASSED
 
 
-def _fg_message(rank, what, got, want, t, hint) -> str:
+def _fg_message(rank, what, got, want, exact, t, hint) -> str:
     if got is None:
         return f"rank {rank}: {what} is missing (None). {hint}"
     if got.shape != want.shape:
         return (f"rank {rank}: {what} has shape {_fmt(got.shape)}, expected "
                 f"{_fmt(want.shape)}. {hint}")
-    i, a, b = _first_wrong(got, want)
+    i, a, b = _first_wrong(got, want, exact)
     scale = ""
-    if _close(got, t * want):
+    if _like(got, t * want):
         scale = f" (it is {t}x the right value everywhere)"
     return (f"rank {rank}, {what}, element {i}: got {a:.6g}, expected {b:.6g}"
             f"{scale}. {hint}")

@@ -105,6 +105,9 @@ def check_dp_bytes(cluster, fn) -> bool:
             if isinstance(got, bool) or not isinstance(got, (int, float)):
                 raise ExerciseError(f"{call} on rank {rank} returned {got!r}; "
                                     "return a number of bytes")
+            # bytes the ledger counted against a formula evaluated in float64
+            # (2(dp-1)/dp of a whole number): 1e-6 absorbs the formula's rounding
+            # (1e-16) and is far below a stage or a factor miscounted
             if abs(got - sent) > 1e-6 * sent:
                 raise ExerciseError(
                     f"rank {rank} ({name}): {call} = {got:,.0f} bytes, but the "
@@ -157,7 +160,7 @@ def check_ring_seconds(fn, cluster=None) -> bool:
         if isinstance(got, bool) or not isinstance(got, (int, float)):
             raise ExerciseError(f"{call} returned {got!r}; return seconds, a number")
         want = _ring_seconds(op, size, n, nodes, cl)
-        if abs(got - want) <= 1e-9 * want:
+        if abs(got - want) <= 1e-9 * want:  # float64 formulas: rounding only
             continue
         hints = [  # what a common slip gives, and what to say about it
             (_ring_seconds(op, size, n, nodes, cl, 0.0, 0.0),

@@ -66,6 +66,11 @@ def _zero1_worker(rank, world_size, fn, numel, steps):
     return out
 
 
+# The exercise runs in float64 (_zero1_data): the ranks' sums of N gradients in
+# another order differ from one process's by a few units of float64 rounding
+# (~1e-16 relative, a few steps ~1e-15). 1e-9 of the largest element absorbs that
+# a million times over on any CPU and is far below any mistake (a missing
+# average, a stale slice: order 1).
 def _first_wrong(got, want, rel: float = 1e-9):
     """Index of the first element of `got` that differs from `want`, or None."""
     tol = rel * max(float(want.abs().max()), 1e-12)
@@ -73,7 +78,7 @@ def _first_wrong(got, want, rel: float = 1e-9):
     return None if len(bad) == 0 else int(bad[0])
 
 
-def _same(x: float, y: float) -> bool:
+def _same(x: float, y: float) -> bool:  # float64, as _first_wrong above
     return abs(x - y) <= 1e-9 * max(1.0, abs(y))
 
 
