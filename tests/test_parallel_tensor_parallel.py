@@ -423,6 +423,40 @@ def test_sizes_that_do_not_divide_raise_value_error(cluster):
             assert msgs[name] is not None and text in msgs[name], (name, msgs[name])
 
 
+def _copied_dtypes(rank, world_size):
+    from labkit.parallel.tensor_parallel import (
+        MLP,
+        ColumnParallelLinear,
+        ParallelMLP,
+        ParallelSelfAttention,
+        RowParallelLinear,
+        SelfAttention,
+    )
+
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8).double()
+    mlp, attn = MLP(8, 16).double(), SelfAttention(8, 4).double()
+    out = {}
+    rows, cols = slice(2 * rank, 2 * rank + 2), slice(2 * rank, 2 * rank + 2)
+    for name, part, whole in (
+            ("column", ColumnParallelLinear.from_linear(lin), lin.weight[rows]),
+            ("row", RowParallelLinear.from_linear(lin), lin.weight[:, cols]),
+            ("mlp", ParallelMLP.from_mlp(mlp).fc1, mlp.fc1.weight[4 * rank:][:4]),
+            ("attention", ParallelSelfAttention.from_attention(attn).proj,
+             attn.proj.weight[:, cols])):
+        w = part.weight
+        out[name] = {p.dtype for p in part.parameters()}, torch.equal(w, whole)
+    return out
+
+
+def test_a_copied_layer_keeps_the_dtype_of_what_it_copies(cluster):
+    # a float64 model's slice stays float64 (the exact reference of the tests
+    # and chapters), not rounded through the default float32
+    for rank, got in enumerate(cluster.run(_copied_dtypes)):
+        for name, (dtypes, exact) in got.items():
+            assert dtypes == {torch.float64} and exact, (rank, name, dtypes, exact)
+
+
 def test_layers_need_ranks():
     from labkit.parallel.tensor_parallel import ColumnParallelLinear
 
