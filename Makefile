@@ -42,9 +42,11 @@ newest:
 		-e ".[dev]"
 	@$(NEWEST)/bin/python -m labkit.cli.lock diff $(LOCK)
 
+# the fast library tests: not the notebook runs (slow) and not the comparisons
+# with one process (numerics: torch, pinned, computes them the same either way)
 test-newest: newest
 	LABKIT_ENV=newest $(NEWEST)/bin/python -m pytest tests -q -p no:cacheprovider \
-		--ignore=tests/browser -m "not slow"
+		--ignore=tests/browser -m "not slow and not numerics"
 
 # Refresh the lock from the newest releases; then run `make test` (it reinstalls
 # .venv from the new lock) and commit requirements.lock if it passes.
