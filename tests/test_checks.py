@@ -183,6 +183,12 @@ def test_check_answer(capsys):
         checks.check_answer("x", 4, 3, hint="think")
     with pytest.raises(checks.ExerciseError, match="number"):
         checks.check_answer("x", "3", 3)
+    # bytes as bytes, whole numbers whole: never 3.52322e+08
+    checks.check_answer("bytes per GPU per layer", 352_321_536.0, 352_321_536)
+    assert capsys.readouterr().out == ("bytes per GPU per layer: 352,321,536 B "
+                                       "(336.0 MiB) is right\n")
+    checks.check_answer("tokens", 2.5e9, 2.5e9)
+    assert capsys.readouterr().out == "tokens: 2,500,000,000 is right\n"
 
 
 def test_rounding_tolerance_is_the_references_own_rounding():

@@ -92,7 +92,7 @@ def test_sequence_parallel_mlp_check(cluster, capsys):
     assert check_sequence_parallel_mlp(cluster, _sp_mlp)
     assert "correct" in capsys.readouterr().out
     with pytest.raises(ExerciseError, match=r"rank 0, output element \[0, 0, 0\]: "
-                       r"got .*, expected .*3 bias\(es\) too large"):
+                       r"got .*, expected .*b2 is added 4 times instead of once"):
         check_sequence_parallel_mlp(
             cluster, lambda *a: _sp_mlp(*a, bias_early=True))
     with pytest.raises(ExerciseError, match=r"rank 0: the output has shape "

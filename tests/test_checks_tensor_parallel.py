@@ -67,7 +67,7 @@ def test_row_parallel_forward_check(cluster, capsys):
     assert check_row_parallel_forward(cluster, _row_good)
     assert "correct" in capsys.readouterr().out
     with pytest.raises(ExerciseError, match=r"rank 0, element \(0, 0, 0\): got .*, "
-                       r"expected .*\. The output is 3 bias\(es\) too large"):
+                       r"expected .*\. The bias is added 4 times instead of once"):
         check_row_parallel_forward(cluster, _row_bias_everywhere)
     with pytest.raises(ExerciseError, match=r"rank 0, element .* only this rank's "
                        "partial sum"):

@@ -137,18 +137,32 @@ def call_answer(fn, *args, what: str = "answer"):
 # ------------------------------------------------------------------ comparing
 
 
+def _number(x: float, what: str) -> str:
+    """352,321,536 B (336.0 MiB) for bytes, 352,321,536 for a whole number, else
+    six significant digits: never 3.52322e+08 for a count a student typed."""
+    whole = float(x).is_integer() and abs(x) < 1e18
+    text = f"{x:,.0f}" if whole else f"{x:,.6g}"
+    if "byte" in what.lower():
+        from labkit.units import human_bytes
+
+        text += f" B ({human_bytes(x)})" if abs(x) >= 1024 else " B"
+    return text
+
+
 def check_answer(what: str, yours, expected, hint: str = "", rel: float = 1e-9) -> None:
     """Compare a student's number with the expected one: a line saying it is right,
-    "not answered yet" for None, ExerciseError with the hint when it is wrong."""
+    "not answered yet" for None, ExerciseError with the hint when it is wrong.
+    (rel: closed forms in float64 agree to far better than 1e-9; a wrong formula
+    is off by whole factors.)"""
     if yours is None:
         print(f"{what}: not answered yet (replace None with your answer)")
         return
     if isinstance(yours, bool) or not isinstance(yours, (int, float)):
         raise ExerciseError(f"{what}: expected a number, got {yours!r}")
     if abs(yours - expected) > rel * max(abs(expected), 1e-300):
-        msg = f"{what}: {yours:,.6g} is not right"
+        msg = f"{what}: {_number(yours, what)} is not right"
         raise ExerciseError(msg + (f". Hint: {hint}" if hint else ""))
-    print(f"{what}: {yours:,.6g} is right")
+    print(f"{what}: {_number(yours, what)} is right")
 
 
 def check_like(where: str, got, want, hint: str = "") -> None:

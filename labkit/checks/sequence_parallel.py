@@ -259,9 +259,9 @@ def check_sequence_parallel_mlp(cluster, fn, *, timeout: float = SHORT_TIMEOUT
 
 def _mlp_hint(y, want, bias, t) -> str:
     if _like(y, want + (t - 1) * bias):
-        return (f"the output is {t - 1} bias(es) too large: every rank added b2 "
-                "before the reduce-scatter, which summed it t times; add it once, "
-                "after")
+        return (f"b2 is added {t} times instead of once: every one of the {t} "
+                "ranks added it before the reduce-scatter, which summed it with the "
+                "rest; add it once, after")
     if _like(y, want - bias):
         return "the output lacks b2: add it once, after the reduce-scatter"
     return ("gather the shards in rank order (rank r's rows at [r*s/t, (r+1)*s/t)), "

@@ -137,9 +137,9 @@ def check_row_parallel_forward(cluster, fn, *, timeout: float = SHORT_TIMEOUT
 
 def _row_hint(y, want, partial, bias, t) -> str:
     if _like(y, want + (t - 1) * bias):
-        return (f"The output is {t - 1} bias(es) too large: every rank added the "
-                "bias before the all-reduce, which summed it t times. Add it once, "
-                "after the reduction.")
+        return (f"The bias is added {t} times instead of once: every one of the "
+                f"{t} ranks added it before the all-reduce, which summed it with "
+                "the rest. Add it once, after the reduction.")
     if _like(y, want - bias):
         return "The output lacks the bias: add it once, after the all-reduce."
     if _like(y, partial + bias) or _like(y, partial):
