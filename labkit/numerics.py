@@ -70,8 +70,11 @@ def _same_shape(got, want) -> None:
         for k in want:
             _same_shape(got[k], want[k])
     elif isinstance(want, (list, tuple)):
-        if not isinstance(got, (list, tuple)):
-            raise ValueError(f"a {type(got).__name__} compared with a list")
+        if not isinstance(got, (list, tuple)):  # e.g. a tensor of losses vs a list
+            n, m = flat64(got).numel(), flat64(want).numel()
+            if n != m:
+                raise ValueError(f"{n} values compared with {m}")
+            return
         if len(got) != len(want):
             raise ValueError(f"{len(got)} items compared with {len(want)}")
         for g, w in zip(got, want):

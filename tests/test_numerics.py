@@ -18,6 +18,7 @@ def test_rel_err_is_norm_wise_over_everything_together():
     assert rel_err(got, want) == pytest.approx(2e-4, rel=1e-12)
     assert rel_err([torch.ones(2), 2.0], [torch.ones(2), 2.0]) == 0.0
     assert rel_err(torch.zeros(2), torch.zeros(2)) == 0.0
+    assert rel_err(torch.tensor([1.0, 2.0]), [1.0, 2.0]) == 0.0  # losses, two ways
     assert rel_err(torch.ones(2), torch.zeros(2)) == float("inf")
 
 
@@ -34,7 +35,7 @@ def test_rel_err_is_computed_in_float64():
     (torch.ones(3), torch.ones(2), r"shape \(3,\) compared with \(2,\)"),
     ([torch.ones(1)], [torch.ones(1)] * 2, "1 items compared with 2"),
     ([torch.ones(1)], {"a": torch.ones(1)}, "a list compared with a dict"),
-    (torch.ones(1), [torch.ones(1)], "a Tensor compared with a list"),
+    (torch.ones(3), [1.0, 2.0], "3 values compared with 2"),
 ])
 def test_rel_err_refuses_what_does_not_line_up(got, want, message):
     with pytest.raises(ValueError, match=message):
