@@ -8,6 +8,8 @@ import torch.distributed as dist
 from labkit.checks.common import ExerciseError
 from labkit.checks.fsdp import check_peak_share, check_zero3_hooks
 
+pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
+
 
 def _gather(module, shards, shapes, order=None):
     n = dist.get_world_size()

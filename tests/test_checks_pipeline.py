@@ -12,6 +12,8 @@ import pytest
 from labkit.checks.common import ExerciseError
 from labkit.checks.pipeline import check_1f1b_order, check_in_flight
 
+pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
+
 
 def _one_f_one_b(p, m, rank):
     warm = min(p - 1 - rank, m)

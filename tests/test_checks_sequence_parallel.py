@@ -14,6 +14,8 @@ from labkit.checks.sequence_parallel import (
 )
 from labkit.parallel.ring_attention import Partial
 
+pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
+
 
 def _merge(a, b):
     m = torch.maximum(a.m, b.m)

@@ -12,6 +12,8 @@ from labkit.checks.tensor_parallel import (
     check_row_parallel_forward,
 )
 
+pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
+
 # -- exercise 1: the row-parallel forward ------------------------------------------
 
 

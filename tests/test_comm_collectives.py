@@ -13,6 +13,8 @@ from labkit.comm.collectives import (
     simulate,
 )
 
+pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
+
 
 def test_course_example_numbers():
     # small whole numbers: every sum is exact, so the results are compared exactly
