@@ -210,3 +210,22 @@ def test_bad_layout_fields_raise():
         Layout(zero=4)
     with pytest.raises(ValueError, match="more than the cluster"):
         choose("llama3-8b", H100_NODE, 8 * 8192, 8192, max_gpus=16)
+
+
+def test_scale_says_how_many_gpus_a_model_can_use_well():
+    from labkit.theory.layouts import LLAMA3_CLUSTER, WASTEFUL_MFU, scale
+    from labkit.theory.models import MODELS
+
+    seq = MODELS["gpt2-small"].seq
+    small = scale("gpt2-small", LLAMA3_CLUSTER, 1024 * seq, seq)
+    # 124M parameters x 16 B of model states fit one 80 GB GPU; on all 16,384
+    # the fastest layout keeps them busy well under WASTEFUL_MFU
+    assert small.fewest == 1 and small.at_fewest.layout.gpus == 1
+    assert small.wasteful and small.best.estimate.mfu < WASTEFUL_MFU
+    assert small.at_suggested.estimate.mfu >= WASTEFUL_MFU
+    assert small.at_suggested.layout.gpus == small.suggested < 16_384
+    assert small.advice().startswith("GPT-2 small fits on as few as 1 GPU (")
+    run = PUBLISHED_RUNS["llama3-405b"]
+    big = scale(run.model, run.cluster, run.global_batch_tokens, run.seq)
+    assert not big.wasteful and big.suggested is None
+    assert 16 <= big.fewest < 16_384  # 405.9e9 x 16 B needs many 80 GB GPUs

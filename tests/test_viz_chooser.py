@@ -1,8 +1,11 @@
 """labkit.viz.chooser, headless: move a control, read the table and the chart."""
 
+import re
+
 import pytest
 
-from labkit.theory.layouts import PUBLISHED_RUNS, find
+from labkit.theory.layouts import LLAMA3_CLUSTER, PUBLISHED_RUNS, WASTEFUL_MFU, find
+from labkit.units import seconds
 from labkit.viz.chooser import (
     TIME_LABELS,
     StrategyChooser,
@@ -28,7 +31,7 @@ def _check_agree(w):
     assert len(lines) == min(w.rows, len(w.last))
     for line, r in zip(lines, w.last):
         assert line.split()[0] == str(r.rank) and str(r.layout) in line
-        assert f"{r.step_time:.2f} s" in line
+        assert seconds(r.step_time) in line
     bars = _bar_totals(w.figure)
     top = [r.step_time for r in w.last[:5]]
     assert bars[:len(top)] == pytest.approx(top)
@@ -147,3 +150,33 @@ def test_gemm_roofline_draws_the_roof_and_each_product():
     (_, (y_wide,)), (_, (y_thin,)) = (ln.get_data() for ln in lines[2:])
     assert y_wide == pytest.approx(989 * 794.5 / 989)
     assert y_thin < 0.3 * y_wide
+
+
+def test_a_small_model_on_a_huge_cluster_is_told_what_it_needs():
+    # GPT-2 small (124M parameters) offered Llama 3's 16,384 GPUs: every layout
+    # that uses them all leaves them idle, and the chooser says so
+    w = strategy_chooser(model="gpt2-small")
+    assert w.cluster().gpus == LLAMA3_CLUSTER.gpus == 16_384
+    best = w.last[0]
+    assert best.estimate.mfu < WASTEFUL_MFU and w.scale.wasteful
+    assert w.scale.fewest == 1  # 124M x 16 B of model states: one 80 GB GPU
+    assert w.scale.at_suggested.estimate.mfu >= WASTEFUL_MFU
+    assert 1 < w.scale.suggested < 16_384
+    info = w.info.value
+    assert "fits on as few as 1 GPU" in info and "wasteful, not a recommendation" in \
+        info and f"{w.scale.suggested:,} GPUs is the most" in info
+    assert "Ranked by estimated step time on all 16,384 GPUs, fastest first" in info
+    # units that fit the numbers: no figure reads 0.0 GB or 0%
+    text = info + w.table.value + w.value
+    assert not re.findall(r"(?<![\d.])0\.0 [kMGT]?B|(?<![\d.])0% MFU|0\.00 s", text)
+    assert all(line.endswith("wasteful") for line in w.value.splitlines())
+    # a compact table: each layout on one line, the reasons folded away
+    assert w.table.value.count("<details>") == len(w.last[:w.rows])
+    assert "white-space:nowrap" in w.table.value
+    _check_agree(w)
+
+
+def test_a_large_model_is_not_called_wasteful():
+    w = strategy_chooser(model="llama3-405b")
+    assert not w.scale.wasteful and "wasteful, not" not in w.info.value
+    assert w.scale.fewest is not None and w.scale.fewest < 16_384

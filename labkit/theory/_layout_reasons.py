@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from labkit.units import percent, si_bytes
+
 if TYPE_CHECKING:
     from labkit.theory._layout_cost import Cluster, Estimate
     from labkit.theory.models import ModelConfig
 
 
 def _gb(x: float) -> str:
-    return f"{x / 1e9:,.1f} GB"
+    return si_bytes(x)  # kB, MB or GB: a small model's bytes never read 0.0 GB
 
 
 def reasons(model: ModelConfig, est: Estimate, cluster: Cluster) -> list[str]:
@@ -42,7 +44,7 @@ def reasons(model: ModelConfig, est: Estimate, cluster: Cluster) -> list[str]:
         bub = est.time["bubble"] / est.step_time
         out.append(f"PP {lay.pp} runs {where[i]}: only {_gb(est.traffic['pp'])} of "
                    f"activations per step go point to point, at the cost of a "
-                   f"{bub:.0%} bubble ({lay.schedule}, {lay.microbatches} "
+                   f"{percent(bub)} bubble ({lay.schedule}, {lay.microbatches} "
                    f"micro-batches)")
     if lay.dp > 1:
         i = est.in_node["dp"]
@@ -54,7 +56,7 @@ def reasons(model: ModelConfig, est: Estimate, cluster: Cluster) -> list[str]:
                       f"leaves {est.time['dp']:.2f} s exposed"))
     out.append(f"its matrix products run at {1 / est.gemm_slowdown:.0%} of the "
                f"{cluster.flops / 1e12:,.0f} TFLOPS peak (roofline at this layout's "
-               f"per-GPU shapes); the step reaches {est.mfu:.0%} MFU")
+               f"per-GPU shapes); the step reaches {percent(est.mfu)} MFU")
     mem = est.memory_total
     verdict = "fits in" if est.fits else "does not fit in"
     out.append(f"{_gb(mem)} per GPU {verdict} {_gb(est.gpu_memory)} (activations "

@@ -29,13 +29,15 @@ from labkit.theory._layout_cost import (
     estimate,
     flops_per_token,
 )
+from labkit.theory._layout_scale import WASTEFUL_MFU, Scale
+from labkit.theory._layout_scale import scale as _scale
 from labkit.theory.models import MODELS, ModelConfig
 
 __all__ = ["A100_SELENE", "DEEPSEEK_V3_CLUSTER", "DIMS", "H100_NODE",
            "LLAMA3_CLUSTER", "LLAMA3_LONG_CONTEXT", "PUBLISHED_LAYOUTS",
            "PUBLISHED_RUNS", "Cluster", "Estimate", "Layout", "PublishedRun",
-           "Ranked", "check_layout", "choose", "estimate", "explain", "find",
-           "flops_per_token"]
+           "Ranked", "Scale", "WASTEFUL_MFU", "check_layout", "choose",
+           "estimate", "explain", "find", "flops_per_token", "scale"]
 
 # ------------------------------------------------------------------ clusters
 # H100 SXM: 80 GB HBM3, 989 TFLOPS dense bf16 (NVIDIA H100 datasheet); NVLink 4
@@ -228,6 +230,18 @@ def choose(model: ModelConfig | str, cluster: Cluster, global_batch_tokens: int,
             fits.append(est)
     fits.sort(key=lambda e: (e.step_time, e.memory_total))
     return [Ranked(i + 1, e) for i, e in enumerate(fits)]
+
+
+def scale(model: ModelConfig | str, cluster: Cluster, global_batch_tokens: int,
+          seq: int, ranked: list[Ranked] | None = None,
+          inter_node_tp: bool = False) -> Scale:
+    """The fewest GPUs the model fits on and, where its fastest layout on all of
+    `cluster` reaches under WASTEFUL_MFU, the most GPUs on which one does not;
+    `.advice()` says it in sentences."""
+    name = MODELS[model].name if isinstance(model, str) else model.name
+    got = _scale(choose, model, cluster, global_batch_tokens, seq, ranked,
+                 inter_node_tp)
+    return dataclasses.replace(got, model=name)
 
 
 def find(ranked: list[Ranked], layout: Layout) -> Ranked | None:

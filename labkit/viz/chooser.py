@@ -14,12 +14,15 @@ from matplotlib.figure import Figure
 
 from labkit.theory.layouts import (
     PUBLISHED_RUNS,
+    WASTEFUL_MFU,
     Cluster,
     choose,
     explain,
     find,
+    scale,
 )
 from labkit.theory.models import MODELS
+from labkit.units import percent, seconds, si_bytes
 from labkit.viz.style import _axes
 from labkit.viz.widgets import _show
 
@@ -50,7 +53,8 @@ def step_time_bars(ranked, *, published=None, top: int = 5) -> Figure:
                label=TIME_LABELS[part], width=0.6)
         bottom = [b + x for b, x in zip(bottom, h)]
     for i, total in enumerate(bottom):
-        ax.text(i, total, f"{total:.2f}", ha="center", va="bottom", fontsize=8)
+        ax.text(i, total, seconds(total).removesuffix(" s"), ha="center",
+                va="bottom", fontsize=8)
     labels = [f"#{r.rank}\n" + str(r.layout).replace(" · ", "\n") for r in rows]
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     if mine is not None:
@@ -135,6 +139,7 @@ class StrategyChooser(W.VBox):
         self.table = W.HTML()
         self.out = W.Output()
         self.last: list = []
+        self.scale = None  # what the model can use well (theory.layouts.scale)
         self.figure = None
         self.value = ""  # the table as plain text, for tests and screen readers
         self._syncing = False
@@ -186,9 +191,11 @@ class StrategyChooser(W.VBox):
         except ValueError as e:
             ranked, self.info.value = [], f"<b>no layout:</b> {html.escape(str(e))}"
         self.last = ranked
-        lines = [f"{r.rank:>4}  {r.step_time:7.2f} s  "
-                 f"{r.estimate.memory_total / 1e9:6.1f} GB  {r.layout} "
+        self.scale = scale(name, cl, tokens, seq, ranked) if ranked else None
+        lines = [f"{r.rank:>4}  {seconds(r.step_time):>9}  "
+                 f"{si_bytes(r.estimate.memory_total):>8}  {r.layout} "
                  f"[{r.layout.schedule}, recompute {r.layout.recompute}]"
+                 + ("  wasteful" if r.estimate.mfu < WASTEFUL_MFU else "")
                  for r in ranked[:self.rows]]
         self.value = "\n".join(lines) if ranked else "no layout fits"
         head = (f"{MODELS[name].name}, {tokens:,} tokens per step of {seq:,}: "
@@ -196,20 +203,44 @@ class StrategyChooser(W.VBox):
                 f"({cl.gpus_per_node} per node, {cl.flops / 1e12:,.0f} TFLOPS "
                 f"bf16 each, large GEMMs at {cl.gemm_efficiency:.0%} of it; α "
                 f"{cl.alpha_intra * 1e6:.1f} µs per ring step in a node, "
-                f"{cl.alpha_inter * 1e6:.1f} µs between nodes).")
+                f"{cl.alpha_inter * 1e6:.1f} µs between nodes). Ranked by "
+                f"estimated step time on all {cl.gpus:,} GPUs, fastest first; a "
+                f"layout under {WASTEFUL_MFU:.0%} MFU is marked wasteful.")
+        if ranked:
+            head += " " + self.scale.advice()
         if published is not None and ranked:
             head += " " + explain(ranked, published)
         if ranked:
             self.info.value = html.escape(head)
-        body = "".join(
-            f"<tr><td>{r.rank}</td><td>{html.escape(str(r.layout))}</td>"
-            f"<td>{r.step_time:.2f}</td><td>{r.estimate.memory_total / 1e9:.1f}</td>"
-            f"<td>{html.escape('; '.join(r.reasons))}</td></tr>"
-            for r in ranked[:self.rows])
-        self.table.value = ("<table><tr><th>rank</th><th>layout</th><th>s/step</th>"
-                            "<th>GB/GPU</th><th>why</th></tr>" + body + "</table>")
+        self.table.value = _table(ranked[:self.rows])
         self.figure = step_time_bars(ranked, published=published)
         _show(self.out, self.figure)
+
+
+_CELL = "padding:2px 8px;text-align:left;vertical-align:top"
+
+
+def _table(rows) -> str:
+    """Rank, layout (never wrapped), step time, MFU, memory; the reasons folded
+    under each row, so eight layouts stay a screen tall."""
+    def row(r) -> str:
+        mfu = percent(r.estimate.mfu)
+        if r.estimate.mfu < WASTEFUL_MFU:
+            mfu += " <b style='color:#b22'>wasteful</b>"
+        why = "".join(f"<li>{html.escape(x)}</li>" for x in r.reasons)
+        return (f"<tr><td style='{_CELL}'>{r.rank}</td>"
+                f"<td style='{_CELL};white-space:nowrap'>"
+                f"{html.escape(str(r.layout))}<br><small>{r.layout.schedule}, "
+                f"recompute {r.layout.recompute}</small></td>"
+                f"<td style='{_CELL}'>{seconds(r.step_time)}</td>"
+                f"<td style='{_CELL}'>{mfu}</td>"
+                f"<td style='{_CELL}'>{si_bytes(r.estimate.memory_total)}</td>"
+                f"<td style='{_CELL}'><details><summary>why</summary>"
+                f"<ul style='margin:0;padding-left:1.2em'>{why}</ul></details></td>"
+                "</tr>")
+    head = "".join(f"<th style='{_CELL}'>{h}</th>" for h in
+                   ("rank", "layout", "step", "MFU", "memory per GPU", ""))
+    return f"<table><tr>{head}</tr>{''.join(row(r) for r in rows)}</table>"
 
 
 def strategy_chooser(**kw) -> StrategyChooser:

@@ -52,10 +52,11 @@ class Comparison:
                 + "".join(body) + "</table>")
 
     def __repr__(self) -> str:
-        lines = [f"{'what':<40}{'measured':>16}{'expected':>16}{'rel.err':>10}"]
+        w = max([38] + [len(r.name) for r in self.rows]) + 2  # names stay aligned
+        lines = [f"{'what':<{w}}{'measured':>14}{'expected':>14}{'rel.err':>10}"]
         for r in self.rows:
-            lines.append(f"{r.name:<40}{self._fmt(r.measured):>16}"
-                         f"{self._fmt(r.expected):>16}{r.rel_error:>+10.3%}")
+            lines.append(f"{r.name:<{w}}{self._fmt(r.measured):>14}"
+                         f"{self._fmt(r.expected):>14}{r.rel_error:>+10.3%}")
         return "\n".join(lines)
 
 
