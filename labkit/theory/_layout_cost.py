@@ -315,8 +315,9 @@ def estimate(model: ModelConfig, layout: Layout, cluster: Cluster,
     for d in ("tp", "cp", "pp", "ep"):
         time[d] = traffic[d] / bw[d] + lat[d]
     if lay.dualpipe:  # forward and backward chunks of two micro-batches overlap
-        hidden = time["ep"] + time["pp"]
-        time["ep"], time["pp"] = max(0.0, hidden - compute), 0.0
+        both = time["ep"] + time["pp"]  # what compute cannot hide stays each's
+        left = max(0.0, both - compute) / both if both else 0.0
+        time["ep"], time["pp"] = time["ep"] * left, time["pp"] * left
     window = {"end": 2 / 3 * compute / m, "start": compute / 3 / m,
               "backward": 2 / 3 * compute, "stream": compute}
     time["dp"] = sum(max(0.0, v / bw["dp"] + lat["dp"][k] - window[k])
