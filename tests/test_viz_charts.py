@@ -328,3 +328,15 @@ def viz_activation_chart(*a, **kw):
     from labkit.viz.theory_charts import activation_chart
 
     return activation_chart(*a, **kw)
+
+
+def test_prose_wraps_at_words_as_text_and_as_html():
+    long = "DualPipe interleaved all-reduces " * 5
+    p = viz.prose(long.strip(), ["first " * 20, "<b> escaped"])
+    text = repr(p)
+    assert all(len(line) <= 88 for line in text.splitlines())
+    words = set(long.split()) | {"first", "<b>", "escaped"}
+    assert set(text.replace("  - ", " ").split()) == words  # no word cut in two
+    html = p._repr_html_()
+    assert html.count("<p ") == 1 and html.count("<li>") == 2
+    assert "&lt;b&gt; escaped" in html  # text, never markup

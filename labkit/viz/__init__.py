@@ -38,7 +38,7 @@ from labkit.viz.pipeline_charts import (
 )
 from labkit.viz.sp_charts import activation_bars, ring_steps_chart
 from labkit.viz.style import CATEGORY_COLORS, OP_COLORS, LabFigure
-from labkit.viz.tables import Comparison, Row, measured_vs_expected
+from labkit.viz.tables import Comparison, Prose, Row, measured_vs_expected, prose
 from labkit.viz.theory_charts import activation_chart, placement_bars, zero_bars
 from labkit.viz.widgets import (
     PlacementExplorer,
@@ -63,5 +63,6 @@ __all__ += ["stage_bars", "steward_grid", "steward_grids"]
 __all__ += ["activation_bars", "activation_chart", "hierarchy_table", "ring_panels",
             "ring_steps_chart", "traffic_by_collective"]
 __all__ += ["StrategyChooser", "gemm_roofline", "step_time_bars", "strategy_chooser"]
+__all__ += ["Prose", "prose"]
 __all__ += ["bubble_vs_m", "pipeline_timeline", "pipeline_timelines",
             "schedule_timeline", "schedule_timelines"]

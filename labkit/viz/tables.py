@@ -64,3 +64,38 @@ def measured_vs_expected(rows, *, unit: float = 1.0, unit_name: str = "bytes",
                          tolerance: float | None = None) -> Comparison:
     """rows: (name, measured, expected) triples -> a table with relative errors."""
     return Comparison(rows, unit=unit, unit_name=unit_name, tolerance=tolerance)
+
+
+class Prose:
+    """Paragraphs and bullet lists a cell prints, shown as HTML, which wraps at
+    words at whatever width the notebook has; as plain text (CI, a terminal),
+    wrapped at words at 88 columns. Never a word cut in two."""
+
+    def __init__(self, items):
+        self.items = [it if isinstance(it, str) else list(it) for it in items]
+
+    def _repr_html_(self) -> str:
+        out = []
+        for it in self.items:
+            if isinstance(it, str):
+                out.append(f"<p style='margin:0.3em 0'>{html.escape(it)}</p>")
+            else:
+                lis = "".join(f"<li>{html.escape(x)}</li>" for x in it)
+                out.append(f"<ul style='margin:0 0 0.5em 0'>{lis}</ul>")
+        return "<div style='max-width:60em'>" + "".join(out) + "</div>"
+
+    def __repr__(self) -> str:
+        import textwrap
+
+        fill = lambda text, first="", rest="": textwrap.fill(
+            text, 88, initial_indent=first, subsequent_indent=rest,
+            break_long_words=False, break_on_hyphens=False)
+        return "\n".join(fill(it) if isinstance(it, str) else
+                         "\n".join(fill(x, "  - ", "    ") for x in it)
+                         for it in self.items)
+
+
+def prose(*items) -> Prose:
+    """viz.prose("a paragraph", ["a bullet", "another"], ...): text that wraps at
+    words in the notebook (display it, or end the cell with it)."""
+    return Prose(items)
