@@ -86,7 +86,7 @@ def test_strategy_rows_ratios_and_state_share():
     state = {"DDP": [full] * 4, "ShardedOptimizer": [2004, 2004, 2004, 2004],
              "ZeroRedundancyOptimizer": [2016] * 4}
     rows = _by_name(strategy_rows(step, state, 4))
-    assert rows["DataParallel / DDP"].status == "ok"  # 1.05 <= 1.1
+    assert rows["DataParallel / DDP"].status == "ok"  # 1.05 <= 1.05
     assert rows["ShardedOptimizer / ZeroRedundancyOptimizer"].status == "short"
     share = rows["ShardedOptimizer: largest rank's state x N / DDP's"]
     assert share.value == 2004 * 4 / full and share.status == "ok"
@@ -99,18 +99,18 @@ def test_strategy_rows_fsdp_time_and_peak_memory_ratios():
     from labkit.cli.bench_strategies import strategy_rows
 
     step = {"DataParallel": 1.0, "DDP": 1.0, "ShardedOptimizer": 1.0,
-            "ZeroRedundancyOptimizer": 1.0, "FullyShardedDataParallel": 1.25,
+            "ZeroRedundancyOptimizer": 1.0, "FullyShardedDataParallel": 0.95,
             "FSDP2": 1.0}
     state = {"DDP": [8000] * 4, "ShardedOptimizer": [2000] * 4,
              "ZeroRedundancyOptimizer": [2000] * 4}
-    peak = {"FullyShardedDataParallel": [100, 104, 100, 100],
-            "FSDP2": [90, 95, 95, 95]}  # the fullest ranks: 104 / 95 = 1.095
+    peak = {"FullyShardedDataParallel": [90, 94, 90, 90],
+            "FSDP2": [90, 95, 95, 95]}  # the fullest ranks: 94 / 95 = 0.99
     rows = _by_name(strategy_rows(step, state, 4, peak))
-    assert rows["FullyShardedDataParallel / FSDP2"].status == "ok"  # 1.25 <= 1.3
+    assert rows["FullyShardedDataParallel / FSDP2"].status == "ok"  # 0.95 <= 1.0
     ratio = rows["FullyShardedDataParallel / FSDP2: peak memory per rank"]
-    assert ratio.value == 104 / 95 and ratio.status == "ok"
-    fat = dict(peak, FullyShardedDataParallel=[100, 110, 100, 100])  # 1.16
-    slow = dict(step, FullyShardedDataParallel=1.4)
+    assert ratio.value == 94 / 95 and ratio.status == "ok"
+    fat = dict(peak, FullyShardedDataParallel=[90, 96, 90, 90])  # 1.01
+    slow = dict(step, FullyShardedDataParallel=1.05)
     assert _by_name(strategy_rows(step, state, 4, fat))[
         "FullyShardedDataParallel / FSDP2: peak memory per rank"].status == "short"
     assert _by_name(strategy_rows(slow, state, 4, peak))[
@@ -118,6 +118,9 @@ def test_strategy_rows_fsdp_time_and_peak_memory_ratios():
     # without FSDP's figures (an older run) the other rows stand alone
     assert "FullyShardedDataParallel / FSDP2" not in _by_name(
         strategy_rows({k: step[k] for k in list(step)[:4]}, state, 4))
+    # the second model's rows carry its name
+    gpt = _by_name(strategy_rows(step, state, 4, peak, model="GPT"))
+    assert gpt["FullyShardedDataParallel / FSDP2 [GPT]"].status == "ok", list(gpt)
 
 
 def test_roofline_rows_hold_each_product_between_floor_and_roof():

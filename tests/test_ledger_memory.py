@@ -1,5 +1,7 @@
 """The memory ledger against exact counts (numel x element size) of what is held."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -172,6 +174,21 @@ def test_gradients_assigned_by_hand_are_gradients():
         for p in params:
             p.grad = torch.zeros_like(p)
     assert m.current["Gradient"] == _bytes(params) and m.current["Activation"] == 0
+
+
+def test_a_gradient_taken_by_an_earlier_hook_is_not_counted_or_warned_about():
+    # FSDP's hook sends a full gradient and drops it before MemTracker's own
+    # post-accumulate-grad hook reads p.grad: nothing is held, nothing to warn
+    model = torch.nn.Linear(8, 8)
+    model.weight.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad",
+                                                                      None))
+    with warnings.catch_warnings(), L.memory(model) as m:
+        warnings.simplefilter("error")  # any warning fails the test
+        model(torch.ones(2, 8)).sum().backward()
+    assert model.weight.grad is None and model.bias.grad is not None
+    assert m.current["Gradient"] == model.bias.grad.nbytes, (
+        f"Gradient {m.current['Gradient']} B held; only the bias's "
+        f"{model.bias.grad.nbytes} B expected")
 
 
 def test_works_without_a_process_group_and_refuses_nesting():

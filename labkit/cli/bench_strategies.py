@@ -1,35 +1,61 @@
 """`python -m labkit bench strategies`: labkit's data parallelism, ZeRO-1 and FSDP
 next to PyTorch's own (DDP, ZeroRedundancyOptimizer, FSDP2's fully_shard) on the
-same model, the same ranks and the same run, interleaved so machine noise hits
-both alike. Step times are timings; optimizer state (the memory ledger's
-holdings) and FSDP's peak memory per rank (the memory ledger's peak total over
-one untimed step) are bytes, not timings."""
+same model (a 4-layer MLP, and a GPT whose head is tied to its embedding), the
+same ranks and the same run, interleaved so machine noise hits both alike. Step
+times are timings; optimizer state (the memory ledger's holdings) and FSDP's peak
+memory per rank (the memory ledger's peak total over one untimed step) are bytes,
+not timings."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 
 from labkit.cli.bench import Row, exit_code, table
 
-TARGETS = {"DataParallel / DDP": 1.1,
-           "ShardedOptimizer / ZeroRedundancyOptimizer": 1.2,
-           "FullyShardedDataParallel / FSDP2": 1.3,
-           "FullyShardedDataParallel / FSDP2: peak memory per rank": 1.1}
+TARGETS = {"DataParallel / DDP": 1.05,
+           "ShardedOptimizer / ZeroRedundancyOptimizer": 1.1,
+           "FullyShardedDataParallel / FSDP2": 1.0,
+           "FullyShardedDataParallel / FSDP2: peak memory per rank": 1.0}
 PAIRS = (("DataParallel", "DDP"), ("ShardedOptimizer", "ZeroRedundancyOptimizer"),
          ("FullyShardedDataParallel", "FSDP2"))
 MEASURED = ("FullyShardedDataParallel", "FSDP2")  # peak memory: one ledger step
 WIDTH, LAYERS, BATCH = 1024, 4, 16  # Ψ = 4 × (1024² + 1024) ≈ 4.2 M parameters
+# a GPT (labkit.parallel.three_d.TinyGPT) whose output head is the token embedding
+# (tied, as GPT-2's): Ψ ≈ 12·h²·layers + vocab·h + seq·h ≈ 5.2 M parameters
+GPT = {"vocab": 8192, "seq": 64, "hidden": 256, "heads": 4, "layers": 4}
+GPT_BATCH = 8
+MODELS = {"MLP": f"{LAYERS} x Linear({WIDTH}, {WIDTH})",
+          "GPT": "a {layers}-block GPT, width {hidden}, vocab {vocab}, tied "
+                 "embedding and head".format(**GPT)}
 
 
-def _model():
+def _model(kind: str = "MLP"):
     import torch
 
     torch.manual_seed(0)
+    if kind == "GPT":
+        from labkit.parallel.three_d import TinyGPT
+
+        model = TinyGPT(**GPT)
+        model[-1].out.weight = model[0].tok.weight  # tied
+        return model
     layers = []
     for _ in range(LAYERS):
         layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
     return torch.nn.Sequential(*layers)
+
+
+def _units(model) -> list:
+    """The modules each FSDP shards on its own (the root takes the rest): the
+    MLP's Linears, the GPT's blocks (FSDP2's usual recipe)."""
+    import torch
+
+    from labkit.parallel.three_d import Block
+
+    kind = Block if any(isinstance(m, Block) for m in model) else torch.nn.Linear
+    return [m for m in model if isinstance(m, kind)]
 
 
 def _setups():
@@ -61,7 +87,8 @@ def _setups():
         return ddp, opt, None
 
     def labkit_fsdp(model):
-        fsdp = FullyShardedDataParallel(model)  # every Linear a unit, prefetch on
+        units = {id(m) for m in _units(model)}  # as FSDP2's below, prefetch on
+        fsdp = FullyShardedDataParallel(model, wrap=lambda m: id(m) in units)
         opt = torch.optim.Adam(fsdp.parameters(), lr=1e-3)
         return fsdp, opt, fsdp.finish_gradient_synchronization
 
@@ -70,9 +97,8 @@ def _setups():
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-        for layer in model:  # each Linear, then the root: as ours above
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, mesh=mesh)
+        for unit in _units(model):  # each unit, then the root: as ours above
+            fully_shard(unit, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, torch.optim.Adam(model.parameters(), lr=1e-3), None
 
@@ -81,8 +107,8 @@ def _setups():
             "FullyShardedDataParallel": labkit_fsdp, "FSDP2": torch_fsdp2}
 
 
-def _time_steps(rank, world_size, name: str,
-                steps: int) -> tuple[float, int, int | None]:
+def _time_steps(rank, world_size, name: str, steps: int,
+                kind: str = "MLP") -> tuple[float, int, int | None]:
     """Median seconds per training step of `name` on this rank, the bytes of
     optimizer state it holds after them, and (FSDP's two only) the peak total
     bytes of one more, untimed, step under the memory ledger."""
@@ -93,11 +119,19 @@ def _time_steps(rank, world_size, name: str,
 
     from labkit import ledger
 
-    module, opt, sync = _setups()[name](_model())
+    module, opt, sync = _setups()[name](_model(kind))
     torch.manual_seed(rank)
-    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    if kind == "GPT":
+        from labkit.parallel.three_d import lm_loss
+
+        x = torch.randint(GPT["vocab"], (GPT_BATCH, GPT["seq"]))
+        y, loss_fn = x.roll(-1, 1), lm_loss
+    else:
+        x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+        loss_fn = torch.nn.functional.mse_loss
+
     def step():
-        torch.nn.functional.mse_loss(module(x), y).backward()
+        loss_fn(module(x), y).backward()
         if sync is not None:
             sync()
         opt.step()
@@ -124,31 +158,36 @@ def bench_strategies(world_size: int = 4, rounds: int = 5, steps: int = 10) -> i
     import labkit
 
     n = world_size
-    print(f"labkit bench strategies: {n} ranks, {os.cpu_count()} cores, "
-          f"{LAYERS} x Linear({WIDTH}, {WIDTH}), Adam (step times are timings)")
-    names = list(_setups())
-    seconds = {k: [] for k in names}
-    state, peak = {}, {}
+    print(f"labkit bench strategies: {n} ranks, {os.cpu_count()} cores, Adam "
+          "(step times are timings)")
+    names, rows = list(_setups()), []
     with labkit.Cluster(n, timeout=600) as c:
-        for r in range(rounds):  # interleaved: each round runs every strategy once
-            print(f"  … round {r + 1} of {rounds}", flush=True)
-            for name in names:
-                res = c.run(_time_steps, name, steps)
-                seconds[name].append(max(s for s, _, _ in res))  # slowest rank
-                state[name] = [b for _, b, _ in res]
-                if name in MEASURED:
-                    peak[name] = [p for _, _, p in res]
-    rows = strategy_rows({k: statistics.median(v) for k, v in seconds.items()},
-                         state, n, peak)
+        for kind, what in MODELS.items():
+            print(f"{kind}: {what}")
+            seconds = {k: [] for k in names}
+            state, peak = {}, {}
+            for r in range(rounds):  # interleaved: each round runs each strategy once
+                print(f"  … round {r + 1} of {rounds}", flush=True)
+                for name in names:
+                    res = c.run(_time_steps, name, steps, kind)
+                    seconds[name].append(max(s for s, _, _ in res))  # slowest rank
+                    state[name] = [b for _, b, _ in res]
+                    if name in MEASURED:
+                        peak[name] = [p for _, _, p in res]
+            rows += strategy_rows({k: statistics.median(v)
+                                   for k, v in seconds.items()}, state, n, peak,
+                                  model="" if kind == "MLP" else kind)
     print()
     print(table(rows))
     return exit_code(rows)
 
 
 def strategy_rows(step_s: dict[str, float], state: dict[str, list[int]],
-                  n: int, peak: dict[str, list[int]] | None = None) -> list[Row]:
+                  n: int, peak: dict[str, list[int]] | None = None,
+                  model: str = "") -> list[Row]:
     """Rows: each step time, the step-time ratios with targets (a pair whose two
-    strategies both ran), optimizer state, and FSDP's peak memory per rank."""
+    strategies both ran), optimizer state, and FSDP's peak memory per rank; each
+    name followed by `model` in brackets when one is given."""
     rows = [Row(f"{k} step, median of rounds", v) for k, v in step_s.items()]
     for ours, theirs in PAIRS:
         if ours in step_s and theirs in step_s:
@@ -169,4 +208,6 @@ def strategy_rows(step_s: dict[str, float], state: dict[str, list[int]],
                         unit="MiB"))
         name = "FullyShardedDataParallel / FSDP2: peak memory per rank"
         rows.append(Row(name, ours / theirs, TARGETS[name], unit="x"))
+    if model:
+        rows = [dataclasses.replace(r, name=f"{r.name} [{model}]") for r in rows]
     return rows

@@ -1,6 +1,7 @@
 """PyTorch's MemTracker, subclassed so that every change reaches the memory ledger,
 with the two things the ledger adds: re-tagging a storage's category, and a fresh
-forward of the root module (the next step) without MemTracker's complaint."""
+forward of the root module (the next step) without MemTracker's complaint; and a
+gradient another hook already took is skipped, not warned about."""
 
 from __future__ import annotations
 
@@ -51,6 +52,16 @@ def tracker_class():
                     "Global"}:
                 self.reset_mod_stats()
             super()._pre_fw_hook(module, inputs)
+
+        def _update_and_maybe_create_winfos(self, t, reftype,
+                                            update_existing: bool = False) -> set:
+            # MemTracker's post-accumulate-grad hook reads p.grad; a wrapper's
+            # hook that ran first may have taken it already (FSDP sends the full
+            # gradient and drops it): nothing is held, so nothing to count
+            if t is None:
+                return set()
+            return super()._update_and_maybe_create_winfos(t, reftype,
+                                                           update_existing)
 
         def retag(self, winfo, category: str) -> None:
             old, winfo.reftype = winfo.reftype, _MemRefType(category)
