@@ -4,6 +4,7 @@ PyTorch's FSDP2 (fully_shard); what each rank sends and holds, measured with the
 ledgers, against 3(N-1)/N of the padded parameters and 1/N of them."""
 
 import math
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -64,13 +65,18 @@ def _oracle(run, *args):
                   {"whole batch": run(*args), "4 quarters": run(*args, pieces=N)})
 
 
-def _train(rank, world_size, opt, prefetch=True, wrap=None):
+def _train(rank, world_size, opt, prefetch=True, wrap=None, root=True):
+    import warnings
+
     from labkit.parallel.events import overlap_fraction
     from labkit.parallel.fsdp import FullyShardedDataParallel
 
     model, tok, y = _setup()
     rows = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
-    fsdp = FullyShardedDataParallel(model, prefetch=prefetch, wrap=wrap)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        fsdp = FullyShardedDataParallel(model, prefetch=prefetch, wrap=wrap,
+                                        root=root)
     cls, kw = OPTS[opt]
     o = cls([p for p in fsdp.parameters() if p.requires_grad], **kw)
     for _ in range(STEPS):
@@ -83,12 +89,13 @@ def _train(rank, world_size, opt, prefetch=True, wrap=None):
             "grads": {k: (p.grad.dtype, tuple(p.grad.shape))
                       for k, p in model.named_parameters() if p.grad is not None},
             "scale": model.scale.clone(), "events": fsdp.events,
-            "overlap": overlap_fraction(fsdp.events)}
+            "overlap": overlap_fraction(fsdp.events),
+            "warnings": [str(w.message) for w in said]}
 
 
 def _linears(m):
-    """Shard up, down and frozen; the tied weight and gain stay replicated (a unit
-    owns its subtree's parameters: selecting the root would take them too)."""
+    """Shard up, down and frozen; the tied weight and gain: the root unit's, or
+    replicated with root=False."""
     return isinstance(m, nn.Linear) and m.out_features in (D, H)
 
 
@@ -96,7 +103,8 @@ def _linears(m):
 def trained(cluster):
     runs = {(opt, True, None): (opt, True, None) for opt in OPTS}
     runs["sgd", False, None] = ("sgd", False, None)
-    runs["sgd", True, "some"] = ("sgd", True, _linears)
+    runs["sgd", True, "some"] = ("sgd", True, _linears, False)
+    runs["sgd", True, "some, root"] = ("sgd", True, _linears)
     return {k: cluster.run(_train, *a).values for k, a in runs.items()}
 
 
@@ -158,13 +166,30 @@ def test_prefetch_changes_timing_not_results(trained):
 
 
 def test_modules_wrap_leaves_out_stay_replicated(trained, reference):
+    # root=False: what no selected module owns stays whole, and is said once
     for rank, r in enumerate(trained["sgd", True, "some"]):
         assert r["units"] == ["up", "down", "frozen"], r["units"]
         shapes = {k: r["shapes"][k] for k in ("embed.weight", "gain", "up.weight")}
         # embed and gain replicated, whole; up's weight sharded
         assert shapes == {"embed.weight": (V, D), "gain": (2,),
                           "up.weight": (H * D // N,)}, shapes
+        assert len(r["warnings"]) == 1, r["warnings"]
+        said = r["warnings"][0]
+        for part in ("2 parameter(s)", "embed.weight = head.weight (156 elements, "
+                     "624 B)", "gain (2 elements, 8 B)"):
+            assert part in said, f"rank {rank}: {part!r} not in the warning {said!r}"
         reference["sgd"].check(r["full"], f"some modules wrapped, rank {rank}")
+
+
+def test_the_root_unit_takes_what_no_module_wrapped(trained, reference):
+    # root=True (the default): the root owns the tied weight and gain; nothing
+    # is replicated, nothing said
+    for rank, r in enumerate(trained["sgd", True, "some, root"]):
+        assert r["units"] == ["(root)", "up", "down", "frozen"], r["units"]
+        shapes = {k: r["shapes"][k] for k in ("embed.weight", "gain")}
+        assert shapes == {"embed.weight": (V * D // N,), "gain": (1,)}, shapes
+        assert r["warnings"] == [], r["warnings"]
+        reference["sgd"].check(r["full"], f"root unit, rank {rank}")
 
 
 def test_spans_are_recorded(trained):
@@ -337,7 +362,7 @@ def _normed_train(rank, world_size, dtype, steps=3):
     seen = []
     m[1].register_forward_hook(lambda mod, args, out: seen.append(
         (args[0].dtype, mod.weight.dtype, out.dtype)))
-    wrapped = FullyShardedDataParallel(m, compute_dtype=dtype,
+    wrapped = FullyShardedDataParallel(m, compute_dtype=dtype, root=False,
                                        wrap=lambda mod: isinstance(mod, nn.Linear))
     o = torch.optim.SGD(wrapped.parameters(), lr=0.1)
     for _ in range(steps):
@@ -461,7 +486,7 @@ def _mistakes(rank, world_size):
     out = {"meta": error(lambda: FullyShardedDataParallel(
                nn.Linear(2, 2, device="meta"))),
            "nothing": error(lambda: FullyShardedDataParallel(
-               _mlp(), wrap=lambda m: isinstance(m, nn.Conv1d))),
+               _mlp(), wrap=lambda m: isinstance(m, nn.Conv1d), root=False)),
            "dtype": error(lambda: FullyShardedDataParallel(
                _mlp(), compute_dtype=torch.int8))}
     fsdp = FullyShardedDataParallel(_mlp())
@@ -485,26 +510,43 @@ def test_mistakes_say_what_happened(cluster):
         assert r["after"] is None and not r["hook_left"], (r["after"], r["hook_left"])
 
 
-def _accumulate(rank, world_size):
+def _accumulate(rank, world_size, hold=False):
+    """Two micro-batches of one row per rank and step: each reduce-scattered
+    (hold=False), or the first's whole gradient held and sent with the second's
+    (set_requires_gradient_sync). Step 2 under the traffic ledger, step 3 under
+    the memory ledger."""
+    from labkit import ledger
     from labkit.parallel.fsdp import FullyShardedDataParallel
 
     m = _mlp()
     x, y = _mlp_data()
     fsdp = FullyShardedDataParallel(m)
     o = torch.optim.SGD(fsdp.parameters(), lr=0.1)
-    for _ in range(3):
-        o.zero_grad()
-        for row in (2 * rank, 2 * rank + 1):  # two micro-batches, one finish
-            (F.mse_loss(fsdp(x[row:row + 1]), y[row:row + 1]) / 2).backward()
-        fsdp.finish_gradient_synchronization()
-        o.step()
+    out = {}
+    for step in range(3):
+        watch = {1: ledger.traffic, 2: lambda: ledger.memory(fsdp, o)}.get(step)
+        with watch() if watch else nullcontext() as seen:
+            o.zero_grad()
+            for last, row in enumerate((2 * rank, 2 * rank + 1)):
+                fsdp.set_requires_gradient_sync(not hold or bool(last))
+                (F.mse_loss(fsdp(x[row:row + 1]), y[row:row + 1]) / 2).backward()
+            fsdp.finish_gradient_synchronization()
+            o.step()
+        if watch:
+            out[("traffic", "memory")[step - 1]] = seen
     with torch.no_grad():  # evaluation: gathers and frees, no backward hooks
-        out = fsdp(x)
-    return {"full": fsdp.gather_full_params(), "eval": out,
-            "held": sum(p.numel() for p in m.parameters())}
+        out["eval"] = fsdp(x)
+    out.update(full=fsdp.gather_full_params(),
+               held=sum(p.numel() for p in m.parameters()))
+    return out
 
 
-def test_accumulation_over_micro_batches_and_evaluation(cluster, mlp_oracles):
+@pytest.fixture(scope="module")
+def accumulated(cluster):
+    return {hold: cluster.run(_accumulate, hold).values for hold in (False, True)}
+
+
+def test_accumulation_over_micro_batches_and_evaluation(accumulated, mlp_oracles):
     oracle = mlp_oracles[0]
     x, _ = _mlp_data()
 
@@ -518,10 +560,47 @@ def test_accumulation_over_micro_batches_and_evaluation(cluster, mlp_oracles):
     evaluated = Oracle(evaluate(oracle.exact, torch.float64),
                        {n: evaluate(w) for n, w in oracle.one_process.items()})
     held = sum(math.ceil(p.numel() / N) for p in _mlp().parameters())
-    for rank, r in enumerate(cluster.run(_accumulate).values):
-        # two micro-batches of one row: the gradient summed from 8 parts
-        oracle.check(r["full"], f"2 micro-batches, rank {rank}")
-        evaluated.check(r["eval"], f"evaluation after training, rank {rank}")
-        # the shards only, once the forward is over: ceil(numel / 4) each
-        assert r["held"] == held, (f"rank {rank}: {r['held']} elements held after "
-                                   f"forward, the shards' {held} expected")
+    for hold, runs in accumulated.items():
+        how = "held, sent once" if hold else "sent each"
+        for rank, r in enumerate(runs):
+            # two micro-batches of one row: the gradient summed from 8 parts
+            oracle.check(r["full"], f"2 micro-batches ({how}), rank {rank}")
+            evaluated.check(r["eval"], f"evaluation after training ({how}), "
+                                       f"rank {rank}")
+            # the shards only, once the forward is over: ceil(numel / 4) each
+            assert r["held"] == held, (f"rank {rank}: {r['held']} elements held "
+                                       f"after forward, the shards' {held} expected")
+
+
+def test_held_gradients_cost_memory_and_save_reduce_scatters(accumulated):
+    psi = sum(p.numel() for p in _mlp().parameters())
+    padded = sum(math.ceil(p.numel() / N) * N for p in _mlp().parameters())
+    share = (N - 1) / N * 4 * padded  # one reduce-scatter of every gradient
+    for hold, runs in accumulated.items():
+        sends = 1 if hold else 2  # reduce-scatters a step: once, or per micro-batch
+        for rank, r in enumerate(runs):
+            # one all-to-all per parameter and reduce-scatter; the ledger's bus
+            # bytes, S(N-1)/N a call, leave out gloo's headers (a few hundred
+            # bytes a call, more than this small MLP's payload)
+            ops = r["traffic"].by_op()["all_to_all"]
+            calls, sent = ops["calls"], ops["bus_bytes"]
+            assert (calls, sent) == (6 * sends, sends * share), (
+                f"hold={hold}, rank {rank}: {calls:g} all-to-alls, {sent:,.0f} B; "
+                f"{sends} reduce-scatters of 6 parameters, {sends * share:,.0f} B "
+                "expected")
+            peak = r["memory"].peak["Gradient"]
+            print(f"hold={hold}, rank {rank}: {sent:,} B reduce-scattered, "
+                  f"Gradient peak {peak:,} B (4Ψ = {4 * psi:,} B)")
+            if hold:  # every unit's whole gradient, fp32, between micro-batches
+                assert peak >= 4 * psi, (
+                    f"rank {rank}: Gradient peak {peak:,} B, the whole gradients' "
+                    f"4Ψ = {4 * psi:,} B at least expected")
+            else:  # the shards' 1/N, plus at most one unit's whole gradient in
+                # flight, sent and received (if those count as Gradient)
+                unit = max(sum(math.ceil(p.numel() / N) * N for p in m.parameters())
+                           for m in _mlp() if isinstance(m, nn.Linear))
+                most = 4 * padded // N + 2 * 4 * unit
+                assert peak <= most, (
+                    f"rank {rank}: Gradient peak {peak:,} B, at most the shards' "
+                    f"4Ψ/N plus one unit's gradient sent and received, {most:,} B, "
+                    "expected")

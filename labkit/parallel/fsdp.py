@@ -15,31 +15,73 @@ Layout: each parameter is flattened, zero-padded to N*s elements (s = ceil(numel
 the parameter's own name (`model.named_parameters()` lists the shards).
 
 A unit is a module `wrap(module)` selects (default: every module with parameters
-of its own); it owns its parameters not owned by a unit inside it. A parameter
-registered in several modules (tied weights) belongs to the innermost unit that
-holds every registration (often the root). Parameters of no unit stay replicated:
-broadcast from rank 0, gradients all-reduced (averaged) in finish.
+of its own) and, with root=True (the default), the wrapped model itself; it owns
+its parameters not owned by a unit inside it. A parameter registered in several
+modules (tied weights) belongs to the innermost unit that holds every
+registration. So by default the root owns what no inner unit took (a tied
+embedding and head, a final norm) and every parameter is sharded: 4Ψ/N bytes per
+rank plus padding, as FSDP2's recipe (fully_shard on the blocks, then the root).
+With root=False, parameters of no unit stay replicated (a warning names them
+once): broadcast from rank 0, gradients all-reduced (averaged) in finish.
+
+Gradients follow torch.optim: a trainable parameter that got no gradient in any
+backward since the last finish keeps .grad None on every rank (never sent, never
+stepped: no weight decay, momentum, Adam state or gradient memory for it), as
+DDP, ZeroRedundancyOptimizer and FSDP2 leave it. The decision is per parameter
+and local; every rank is assumed to use the same parameters in a step (FSDP2 and
+ZeroRedundancyOptimizer assume it too), so every rank sends the same gradients,
+in the same order, and the shards stay consistent. A parameter used in some
+micro-batches (backwards) and not others is sent in those that gave it one:
+its gradient is their sum, as if zeros were sent for the others.
+
+Gradient accumulation over k micro-batches (global batch = micro-batch × k × N):
+each backward reduce-scatters by default, so shard.grad sums them, holding 1/N of
+the gradients (4Ψ/N) for k reduce-scatters a step. set_requires_gradient_sync(
+False) (as FSDP2's; or `with fsdp.no_sync():`) keeps each unit's whole gradient
+instead, summed in fp32 across backwards, and sends nothing; the next backward
+with sync on (or finish) sends the sum: one reduce-scatter a step, for holding
+every unit's whole gradient (4Ψ) between micro-batches, as DDP's no_sync does.
 
 Per unit and step (bytes per rank, Ψ padded elements, 4-byte fp32):
 forward: all-gather, compute, free                 (N-1)/N · 4Ψ
 backward: all-gather (when its output's gradient arrives), compute, free,
 reduce-scatter its gradients into shard.grad      2 × (N-1)/N · 4Ψ
+A unit's backward is over when the gradients of its inputs are computed (or, for
+one whose inputs need none, when all its trainable parameters have gradients, or
+backward ends): then its gradients are sent and it is freed.
 prefetch=True issues the next unit's all-gather (async_op=True) before this one
 computes: the next in forward, the previous in backward (order of the first
 forward). compute_dtype=bfloat16 gathers and computes in bf16; the shards, their
 gradients and the reduce-scatter's sum stay fp32 (the gradient crosses the wire
 in bf16, the N pieces are summed in fp32: see fsdp_hooks.py).
+
+Activation checkpointing (torch.utils.checkpoint, reentrant or not, or
+labkit.parallel.checkpointing): a forward that runs inside a backward
+(`torch._C._current_graph_task_id() != -1`) is a recompute. A unit's backward
+puts its gathered weights into the module, so a recompute of its body (module
+hooks outside the checkpoint) computes with them. A unit whose hooks run inside
+the recompute (the checkpoint wraps its call, or a module holding several units)
+is gathered by the recompute as forward gathers it, and stays gathered until its
+backward is over: its backward follows (no second all-gather). A reentrant
+checkpoint's inner backward (a new graph task inside ours) is part of the step's
+backward. Peak: the shards, the root (whole through forward, and again through
+backward), the unit computing and the one prefetched; with units inside a
+checkpointed module, all of that module's units, from its recompute until each
+one's backward is over.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
+from labkit.ledger import count_as
 from labkit.parallel import fsdp_hooks as H
 from labkit.parallel import guards
 from labkit.parallel.events import Span
@@ -55,14 +97,18 @@ class FullyShardedDataParallel(torch.nn.Module):
     spans: compute per unit (between hooks), all-gather issue→done, reduce-scatter
     issue→done. `units` names the wrapped modules, in forward order.
 
-    With compute_dtype, every module computes in it: a unit's floating inputs
-    and gathered weights, and a replicated module's inputs and (cast copies of)
-    its fp32 parameters. A unit with a frozen parameter stays gathered
-    until backward ends (backward may still need it after its gradients are in).
-    Two backwards before finish accumulate into shard.grad."""
+    root=True (default): the model itself is a unit owning every parameter no
+    unit `wrap` selects took, so none is replicated; root=False keeps those
+    replicated (named in a warning). With compute_dtype, every module computes
+    in it: a unit's floating inputs and gathered weights, and a replicated
+    module's inputs and (cast copies of) its fp32 parameters. A unit with a
+    frozen parameter stays gathered until its backward is over (backward may
+    still need it after its gradients are in). Two backwards before finish
+    accumulate into shard.grad."""
 
     def __init__(self, module: torch.nn.Module, compute_dtype: torch.dtype | None =
-                 None, wrap=None, prefetch: bool = True, group=None):
+                 None, wrap=None, prefetch: bool = True, group=None, *,
+                 root: bool = True):
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -81,7 +127,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         with torch.no_grad():  # every rank starts from rank 0's state
             for t in [*_unique_parameters(module), *module.buffers()]:
                 dist.broadcast(t, group=self.group, group_src=0)
-        owned, self._replicated = H.assign(module, wrap or has_own_parameters)
+        owned, self._replicated = H.assign(module, wrap or has_own_parameters, root)
         self._units: list[H.Unit] = []
         for path, m, plist in owned:
             sharded = []
@@ -95,8 +141,11 @@ class FullyShardedDataParallel(torch.nn.Module):
         if not self._units:
             raise ValueError(
                 "FullyShardedDataParallel: `wrap` selected no module that owns a "
-                "parameter, so nothing would be sharded; select some modules (the "
-                "default wraps every module with parameters of its own)")
+                "parameter and root=False, so nothing would be sharded; select some "
+                "modules (the default wraps every module with parameters of its "
+                "own) or leave root=True (the root owns what no unit took)")
+        if self._replicated:
+            _say_replicated(module, self._replicated)
 
         self._ids = frozenset([id(p.shard) for u in self._units for p in u.params]
                               + [id(p) for p in self._replicated])
@@ -105,7 +154,9 @@ class FullyShardedDataParallel(torch.nn.Module):
         self._reductions: list[H.Reduction] = []
         self._stack: list[H.Unit] = []  # units whose forward is running
         self._pending = False  # backward ran; finish not yet called
-        self._task = -1
+        self._tasks: list[int] = []  # graph tasks of the backward now running
+        self._sync = True  # reduce-scatter in each backward
+        self._held: dict[H.Sharded, torch.Tensor] = {}  # whole fp32 gradients
         self._clock: float | None = None  # start of the compute now running
         self._label = ""
         ref = weakref.ref(self)  # hooks must not keep this wrapper alive
@@ -137,6 +188,9 @@ class FullyShardedDataParallel(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if not self._pending:  # a new step: forget the last one's spans
             self._spans = []
+        if torch._C._current_graph_task_id() == -1:  # no backward of ours runs
+            self._tasks = []
+        self._stack = []
         for u in self._units:
             u.ran = False
         self._clock, self._label = time.perf_counter(), "(outside units)"
@@ -146,7 +200,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         for u in self._units:  # prefetched but never run (a skipped branch)
             H.wait_gather(u, self._spans)
             if u.state == "full":
-                H.free(u)
+                self._release(u)
         if torch.is_grad_enabled():  # the first output gradient starts backward
             hook = _call(weakref.ref(self), "_backward_started", None)
             for t in tree_leaves(out):
@@ -162,25 +216,41 @@ class FullyShardedDataParallel(torch.nn.Module):
                     f"reduce-scattered over the {self.world_size} ranks")
         return None
 
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """False: the next backwards keep each unit's whole gradient (fp32,
+        summed across backwards) and send nothing; True (the default): each
+        backward reduce-scatters, the held sums included. finish sends what is
+        still held. Every rank must set the same."""
+        self._sync = bool(requires)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """`with fsdp.no_sync(): loss.backward()`: that backward sends nothing."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
+
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
-        """Wait for every reduce-scatter; average the replicated parameters'
-        gradients. Every trainable shard then has an fp32 .grad of its shape."""
+        """Send what set_requires_gradient_sync(False) still holds; wait for every
+        reduce-scatter; average the replicated parameters' gradients. A trainable
+        shard that got a gradient in some backward since the last finish then has
+        an fp32 .grad of its shape; one that got none keeps .grad None, so the
+        optimizer skips it (as torch.optim does)."""
+        for u in self._units:  # unit order: the same on every rank
+            if any(p in self._held for p in u.trainable):
+                self._reduce(u, force=True)
         self._fold()
         for p in self._replicated:
-            if p.requires_grad:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+            if p.requires_grad and p.grad is not None:  # None on every rank: skip
                 t0 = time.perf_counter()
                 dist.all_reduce(p.grad, group=self.group)
                 p.grad.div_(self.world_size)
                 self._spans.append(Span("comm", "all_reduce (replicated)", t0,
                                         time.perf_counter(), p.grad.nbytes))
-        for u in self._units:
-            for p in u.trainable:
-                if p.shard.grad is None:
-                    p.shard.grad = torch.zeros_like(p.shard)
-        self._pending, self._task = False, -1
+        self._pending, self._tasks = False, []
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
@@ -223,108 +293,183 @@ class FullyShardedDataParallel(torch.nn.Module):
             self._clock = time.perf_counter()
 
     def _gather(self, u: H.Unit) -> None:
+        """Gather `u` (or wait for its prefetch) and put the whole weights into
+        its module, where forward and a recompute read them."""
         if u.state == "free":
             H.issue_gather(u, self.group)
         H.wait_gather(u, self._spans)
-
-    def _prefetch(self, candidates) -> None:
-        if self.prefetch:
-            nxt = next((v for v in candidates if not v.ran and v.state == "free"),
-                       None)
-            if nxt is not None:
-                H.issue_gather(nxt, self.group)
-
-    def _pre_forward(self, u: H.Unit, module, args, kwargs):
-        self._tick(f"forward {u.name}")
-        if u not in self._order:
-            self._order.append(u)
-        u.ran = True
-        self._gather(u)
         for p in u.params:
             for mod, attr in p.slots:
                 mod._parameters[attr] = p.leaf
-        self._stack.append(u)
-        i = self._order.index(u)
-        self._prefetch(self._order[i + 1:])
-        self._restart_clock()
-        if self.compute_dtype is not None:
-            return (H.cast_floating(args, self.compute_dtype),
-                    H.cast_floating(kwargs, self.compute_dtype))
-        return None
 
-    def _post_forward(self, u: H.Unit, module, args, out):
-        self._tick()
-        self._stack.remove(u)
+    def _release(self, u: H.Unit) -> None:
+        """Free `u`'s whole weights; its module holds the shards again."""
         for p in u.params:
             for mod, attr in p.slots:
                 mod._parameters[attr] = p.shard
         H.free(u)
+
+    def _prefetch(self, candidates) -> None:
+        if self.prefetch:
+            nxt = next((v for v in candidates if v.state == "free"), None)
+            if nxt is not None:
+                H.issue_gather(nxt, self.group)
+
+    def _pre_forward(self, u: H.Unit, module, args, kwargs):
+        # inside a backward, a forward is a recompute (activation checkpointing)
+        recompute = torch._C._current_graph_task_id() != -1
+        self._tick(f"{'recompute' if recompute else 'forward'} {u.name}")
+        if u not in self._order:
+            self._order.append(u)
+        self._gather(u)
+        later = self._order[self._order.index(u) + 1:]
+        if recompute:  # the units after it in forward order that backward needs
+            self._prefetch(v for v in later if not v.began and not v.reduced)
+        else:
+            u.ran = True
+            self._stack.append(u)
+            self._prefetch(v for v in later if not v.ran)
+        self._restart_clock()
+        if self.compute_dtype is not None:
+            args, kwargs = (H.cast_floating(args, self.compute_dtype),
+                            H.cast_floating(kwargs, self.compute_dtype))
+        if torch.is_grad_enabled():  # its backward is over once its inputs' is
+            args, kwargs = H.after_backward(
+                args, kwargs, _call(weakref.ref(self), "_post_backward", u))
+        return args, kwargs
+
+    def _post_forward(self, u: H.Unit, module, args, out):
+        self._tick()
+        if torch._C._current_graph_task_id() != -1:
+            # a recompute: its backward follows, so it stays gathered until that
+            # is over (a non-reentrant recompute that stops early never gets here)
+            self._label = "backward"
+        else:
+            self._stack.remove(u)
+            self._release(u)
+            self._label = f"forward {self._stack[-1].name}" if self._stack else \
+                "(outside units)"
         if torch.is_grad_enabled():  # its output's gradient: its backward is next
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(_call(weakref.ref(self), "_pre_backward", u))
-        self._label = f"forward {self._stack[-1].name}" if self._stack else \
-            "(outside units)"
         self._restart_clock()
 
     # -- backward ----------------------------------------------------------------
 
     def _backward_started(self, _=None, grad=None) -> None:
-        """Called by every backward hook; acts once per backward (graph task)."""
+        """Called by every backward hook; acts once per backward. A reentrant
+        checkpoint runs a backward (a new graph task) inside ours: part of it."""
         task = torch._C._current_graph_task_id()
-        if task == self._task:
+        if task in self._tasks:
             return
-        self._task = task
-        if not self._pending:
-            self._pending = True
+        queue = torch.autograd.Variable._execution_engine.queue_callback
+        queue(_call(weakref.ref(self), "_task_ended", task))  # when `task` ends
+        self._tasks.append(task)
+        if len(self._tasks) > 1:  # inside ours
+            return
+        self._pending = True
         for u in self._units:
-            u.ran, u.ready, u.reduced = False, 0, False
+            u.began, u.got, u.reduced = False, set(), False
         self._clock, self._label = time.perf_counter(), "backward"
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
 
     def _pre_backward(self, u: H.Unit, grad):
         self._backward_started()
-        if u.ran:  # a second output of the same unit
+        if u.began and u.state == "full":  # a second output of the same unit
             return None
+        first, u.began = not u.began, True
         self._tick(f"backward {u.name}")
-        u.ran = True
         self._fold()  # the last unit's reduce-scatter: its buffers go before this
         self._gather(u)  # unit's gradients arrive (a lower peak)
-        self._prefetch(self._order[::-1])
+        if first:
+            self._prefetch(v for v in self._order[::-1]
+                           if not v.began and not v.reduced)
         self._restart_clock()
         return None
 
     def _grad_ready(self, u: H.Unit, leaf) -> None:
         self._tick()
-        u.ready += 1
-        if u.ready == len(u.trainable):
-            if len(u.trainable) == len(u.params):  # no frozen one still needed
-                H.free(u)  # before the reduce-scatter allocates: a lower peak
+        u.got.add(id(leaf))
+        if not self._sync:  # hold it, whole, in fp32: sent in a later backward
+            p = next(p for p in u.trainable if p.leaf is leaf)
+            with torch.no_grad():
+                if p in self._held:
+                    self._held[p].add_(leaf.grad)
+                else:
+                    self._held[p] = leaf.grad.to(torch.float32)
+            count_as(self._held[p], "Gradient")
+            leaf.grad = None
+        if len(u.got) == len(u.trainable):  # every one: send them now
             self._reduce(u)
+            if len(u.trainable) == len(u.params):  # no frozen one still needed
+                self._release(u)  # before the reduce-scatter allocates: a lower
+        self._restart_clock()  # peak
+
+    def _post_backward(self, u: H.Unit) -> None:
+        """The gradients of `u`'s inputs are computed: its backward is over. Send
+        the gradients it got (a parameter that got none: not sent), free it."""
+        self._tick()
+        self._reduce(u)
+        if u.state != "free":
+            H.wait_gather(u, self._spans)
+            self._release(u)
         self._restart_clock()
 
     @torch.no_grad()
-    def _reduce(self, u: H.Unit) -> None:
+    def _reduce(self, u: H.Unit, force: bool = False) -> None:
+        """Reduce-scatter the gradients `u`'s parameters have, with what was held
+        for them (each rank has the same ones, in the same order: see the
+        module's docstring); with sync off, nothing (finish: force)."""
+        u.reduced = True
+        if not (self._sync or force):
+            return
+        for p in u.trainable:  # the held sum and this backward's, as one
+            held = self._held.pop(p, None)
+            if held is not None:
+                if p.leaf.grad is not None:
+                    held.add_(p.leaf.grad)
+                p.leaf.grad = held.to(p.full.dtype)  # on the wire as forward's
+        send = [p for p in u.trainable if p.leaf.grad is not None]
+        if not send:
+            return
         self._fold()  # at most one unit's reduce-scatters in flight
         self._reductions = [H.launch_reduce(p, self.group, self.world_size,
-                                            u.name) for p in u.trainable]
-        u.reduced = True
+                                            u.name) for p in send]
 
     def _fold(self) -> None:
         for r in self._reductions:
             H.fold(r, self.world_size, self._spans)
         self._reductions = []
 
+    def _task_ended(self, task: int) -> None:
+        if task in self._tasks:
+            self._tasks.remove(task)
+            if not self._tasks:
+                self._backward_ended()
+
     def _backward_ended(self) -> None:
         self._tick()
         self._clock = None
-        for u in self._units:  # a parameter unused in this forward: zeros
-            if u.ready and not u.reduced:
+        for u in self._units:  # a unit whose backward never said it was over
+            if any(p.leaf.grad is not None for p in u.trainable):
                 self._reduce(u)
             H.wait_gather(u, self._spans)
             if u.state == "full":
-                H.free(u)
-        self._task = -1
+                self._release(u)
+
+
+def _say_replicated(module, replicated) -> None:
+    """Warn once, by name and size, about the parameters no unit shards."""
+    names = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    parts = [f"{' = '.join(names[id(p)])} ({p.numel():,} elements, "
+             f"{p.numel() * p.element_size():,} B)" for p in replicated]
+    total = sum(p.numel() * p.element_size() for p in replicated)
+    warnings.warn(
+        f"FullyShardedDataParallel: {len(replicated)} parameter(s) of no unit stay "
+        f"whole on every rank, {total:,} B: {', '.join(parts)}. root=True (the "
+        "default) shards them in the root unit", stacklevel=3)
 
 
 def _unique_parameters(module):

@@ -1,6 +1,6 @@
 """FSDP's pieces (fsdp.py's helper): a sharded parameter, a unit (the parameters a
 wrapped module gathers together), the all-gather and the reduce-scatter, and the
-optimizer check.
+signal that a unit's backward is over (`after_backward`).
 
 The gathered parameter is a tensor `leaf` whose storage is freed by resizing it
 to 0 bytes and refilled before backward: autograd saved views of `leaf` in forward
@@ -22,17 +22,19 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from labkit.ledger import count_as
 from labkit.parallel.events import Span
 
 
-def assign(module: torch.nn.Module, wrap):
+def assign(module: torch.nn.Module, wrap, root: bool = True):
     """Which unit owns which parameter: [(path, module, [(names, slots, p)])] for
-    the modules `wrap` selects, in module order, and the replicated parameters.
-    A parameter belongs to the innermost selected module holding every module
-    that registers it (a tied weight: their common ancestor, if selected)."""
+    the modules `wrap` selects (and, with root=True, `module` itself), in module
+    order, and the replicated parameters. A parameter belongs to the innermost
+    selected module holding every module that registers it (a tied weight: their
+    common ancestor, if selected); with root=True the root holds every one, so
+    none is replicated."""
     regs = defaultdict(list)  # id(p) -> [(name, module path, module, attribute)]
     params = {}
     for path, mod in module.named_modules():
@@ -41,7 +43,8 @@ def assign(module: torch.nn.Module, wrap):
                 regs[id(p)].append((f"{path}.{attr}" if path else attr, path, mod,
                                     attr))
                 params[id(p)] = p
-    selected = [(path, m) for path, m in module.named_modules() if wrap(m)]
+    selected = [(path, m) for path, m in module.named_modules()
+                if (root and path == "") or wrap(m)]
     owned, replicated = defaultdict(list), []
     for key, rs in regs.items():
         holders = [path for path, _ in selected
@@ -106,9 +109,10 @@ class Unit:
     works: list = field(default_factory=list)
     issued: float = 0.0
     done: object = None  # future of the completion time
-    ran: bool = False  # its forward ran (this forward) / backward began (backward)
-    ready: int = 0  # gradients accumulated in this backward
-    reduced: bool = False
+    ran: bool = False  # its forward ran in this forward
+    began: bool = False  # its backward began in this backward
+    got: set = field(default_factory=set)  # ids of leaves whose gradient arrived
+    reduced: bool = False  # its gradients were sent in this backward
 
     @property
     def trainable(self) -> list:
@@ -168,14 +172,14 @@ class Reduction:
 
 
 def launch_reduce(p: Sharded, group, n: int, name: str) -> Reduction:
-    """Send p's full gradient (zeros if it has none), 1/N to each rank; free it."""
+    """Send p's full gradient (zero-padded to N*s), 1/N to each rank; free it.
+    Only for a parameter that has one: one without is not sent (fsdp.py)."""
     g = p.leaf.grad
-    if g is not None and p.numel == n * p.s:
+    if p.numel == n * p.s:
         send = g.reshape(-1)
     else:
         send = p.full.new_zeros(n * p.s)
-        if g is not None:
-            send[:p.numel] = g.reshape(-1)
+        send[:p.numel] = g.reshape(-1)
     p.leaf.grad = None
     got = torch.empty_like(send)
     t0 = time.perf_counter()
@@ -198,6 +202,36 @@ def fold(r: Reduction, n: int, spans: list) -> None:
         shard.grad += mine
     count_as(shard.grad, "Gradient")
     r.send = r.got = r.work = r.done = None
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the gradients of those
+    inputs are computed, so the unit's own backward is over (PyTorch's FSDP2 does
+    the same: RegisterPostBackwardFunction)."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+def after_backward(args, kwargs, callback):
+    """(args, kwargs) with every tensor that requires grad passed through one
+    _AfterBackward: `callback()` runs when the module's backward is over. None
+    requires grad (token ids into the root): unchanged, no call."""
+    flat, spec = tree_flatten((args, kwargs))
+    at = [i for i, t in enumerate(flat)
+          if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not at:
+        return args, kwargs
+    for i, t in zip(at, _AfterBackward.apply(callback, *(flat[i] for i in at))):
+        flat[i] = t
+    return tree_unflatten(flat, spec)
 
 
 def cast_floating(tree, dtype: torch.dtype):
