@@ -36,6 +36,12 @@ from labkit.parallel.pipeline_schedules import simulate_schedule, stage_order
 from labkit.parallel.precision import MasterWeights
 from labkit.parallel.ring_attention import ring_attention
 from labkit.parallel.sequence_parallel import ParallelTransformerLayer, TransformerLayer
+from labkit.parallel.sharded_checkpoint import (
+    checkpoint_bytes,
+    load_full_state_dict,
+    load_sharded,
+    save_sharded,
+)
 from labkit.parallel.three_d import ThreeD, TinyGPT, lm_loss, stage_layers
 from labkit.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -54,3 +60,4 @@ __all__ += ["ColumnParallelLinear", "ParallelGroups", "ParallelMLP",
             "TransformerLayer", "grid", "ring_attention"]
 __all__ += ["PipelineParallel", "bubble_fractions", "simulate_schedule", "stage_order"]
 __all__ += ["ThreeD", "TinyGPT", "lm_loss", "stage_layers"]
+__all__ += ["checkpoint_bytes", "load_full_state_dict", "load_sharded", "save_sharded"]
