@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.models import TiedFrozenNet, V
+from tests.models import TiedFrozenNet, TinyGPT, V
 
 from labkit.numerics import Oracle, rel_err
 from labkit.theory import zero_traffic
@@ -300,6 +300,225 @@ def test_accumulation_and_an_unused_parameter_in_stage2(cluster, reference):
             f"rank {rank}: the unused parameter moved to {r['unused'].tolist()}")
         moved.resolves(r["before"], "the weight before the step")
         moved.check(r["after"], f"rank {rank}: one SGD step with x averaged to 1.5")
+
+
+# ------------------------------------------------- parameters that get no gradient
+# tests.models.TinyGPT (GPT-2's layout with a tied embedding and head, or Llama's):
+# every block's cross_kv is never called, so it never gets a gradient. torch.optim
+# skips a parameter whose .grad is None; AdamW's weight decay would otherwise shrink
+# it by (1 - lr·wd) a step, and momentum move it.
+GPT_STEPS = 3
+# eps 1e-6, not AdamW's 1e-8: GPT-2's key bias has a gradient that is zero exactly
+# (adding a constant to a row of attention scores leaves its softmax unchanged),
+# computed as rounding noise ~1e-9, which Adam with eps 1e-8 turns into steps of up
+# to lr: one process's own float32 error was then 2e-4, and 3 steps moved the
+# weights only 50x the allowance, too little for Oracle.resolves' 100x
+ADAMW = {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}
+UNUSED = ("cross_kv.weight", "cross_kv.bias")
+
+
+def _gpt(llama):
+    torch.manual_seed(0)
+    model = TinyGPT(llama=llama)
+    ids = torch.randint(0, 37, (8, 8), generator=torch.Generator().manual_seed(1))
+    return model, ids
+
+
+def _gpt_reference(llama, dtype=torch.float32, pieces=1):
+    """One process, AdamW, the whole batch's gradient summed from `pieces` parts."""
+    model, ids = _gpt(llama)
+    model.to(dtype)
+    o = torch.optim.AdamW(model.parameters(), **ADAMW)
+    for _ in range(GPT_STEPS):
+        o.zero_grad()
+        for part in ids.chunk(pieces):
+            (model(input_ids=part, labels=part) / pieces).backward()
+        o.step()
+    return _snapshot(model), o.state_dict()
+
+
+def _gpt_train(rank, world_size, llama, mode):
+    from labkit.parallel import DataParallel
+    from labkit.parallel.zero import ShardedOptimizer
+
+    model, ids = _gpt(llama)
+    mine = ids.chunk(world_size)[rank]
+    if mode == "torch":  # PyTorch's own: ZeroRedundancyOptimizer over DDP
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+
+        run = DistributedDataParallel(model, find_unused_parameters=True)
+        o = ZeroRedundancyOptimizer(model.parameters(),
+                                    optimizer_class=torch.optim.AdamW, **ADAMW)
+    else:  # ZeRO-1 after labkit's DataParallel has averaged; the others alone
+        run = DataParallel(model) if mode == "zero1" else model
+        o = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **MODES[mode],
+                             **ADAMW)
+    for _ in range(GPT_STEPS):
+        o.zero_grad()
+        run(input_ids=mine, labels=mine).backward()
+        if mode == "zero1":
+            run.finish_gradient_synchronization()
+        o.step()
+    out = {"params": _snapshot(model)}
+    if mode != "torch":
+        out["state_dict"] = o.state_dict()
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt(cluster):
+    out = {}
+    for llama in (False, True):
+        exact = _gpt_reference(llama, torch.float64)
+        runs = {"whole batch": _gpt_reference(llama),
+                "4 quarters": _gpt_reference(llama, pieces=N)}
+        out[llama] = {
+            "start": _snapshot(_gpt(llama)[0]), "plain": runs["whole batch"][1],
+            "oracle": Oracle(exact[0], {k: r[0] for k, r in runs.items()}),
+            "state": {k: Oracle({i: st[k] for i, st in exact[1]["state"].items()},
+                                {n: {i: st[k] for i, st in r[1]["state"].items()}
+                                 for n, r in runs.items()})
+                      for k in ("exp_avg", "exp_avg_sq")},
+            "runs": {mode: cluster.run(_gpt_train, llama, mode).values
+                     for mode in [*MODES, "torch"]}}
+    return out
+
+
+@pytest.mark.parametrize("llama", [False, True], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_parameter_without_gradient_is_not_stepped(gpt, llama, mode):
+    g = gpt[llama]
+    oracle, start = g["oracle"], g["start"]
+    oracle.resolves(start, "TinyGPT untrained")
+    unused = [k for k in start if k.endswith(UNUSED)]
+    assert len(unused) == 4, unused
+    # ours, and PyTorch's ZeroRedundancyOptimizer over DDP in the same run
+    for who, runs in ((mode, g["runs"][mode]), ("torch", g["runs"]["torch"])):
+        for rank, r in enumerate(runs):
+            oracle.check(r["params"], f"{who}, llama={llama}, rank {rank}, "
+                         f"{GPT_STEPS} AdamW steps")
+            for k in unused:  # weight decay did not touch them
+                assert torch.equal(r["params"][k], start[k]), (
+                    f"{who}, rank {rank}: {k} moved by "
+                    f"{rel_err(r['params'][k], start[k]):.1e}, expected bit for bit")
+    for rank, r in enumerate(g["runs"][mode]):
+        # the saved state is what AdamW saves: none for cross_kv, m and v of the
+        # others as one process's
+        sd, plain = r["state_dict"], g["plain"]
+        assert sd["state"].keys() == plain["state"].keys(), (
+            f"{mode}, rank {rank}: state for {sorted(sd['state'])}, AdamW has it "
+            f"for {sorted(plain['state'])}")
+        for k, o in g["state"].items():
+            o.check({i: st[k] for i, st in sd["state"].items()},
+                    f"{mode}, rank {rank}: AdamW's {k}")
+    first = g["runs"][mode][0]["params"]
+    for rank, r in enumerate(g["runs"][mode][1:], 1):
+        differ = [k for k, v in r["params"].items() if not torch.equal(v, first[k])]
+        assert not differ, f"{mode}: rank {rank}'s {differ} differ from rank 0's"
+
+
+def _skipped_sometimes(rank, world_size, mode):
+    from labkit.parallel.zero import ShardedOptimizer
+
+    torch.manual_seed(0)
+    a, b, c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+    o = ShardedOptimizer([*a.parameters(), *b.parameters()], torch.optim.AdamW,
+                         lr=0.1, weight_decay=0.1, **MODES[mode])
+    o.add_param_group({"params": list(c.parameters())})  # never used: a group alone
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    held = []
+    for i in range(3):
+        o.zero_grad()
+        h = a(x) if i == 1 else b(a(x))  # b is not used in step 1
+        h.square().mean().backward()
+        if mode == "zero1":
+            _average_grads(a)
+            _average_grads(b)
+        before = [_snapshot(b), o.state_dict()["state"]]
+        o.step()
+        held.append((before, [_snapshot(b), o.state_dict()["state"]]))
+    return held, _snapshot(c)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_skipped_step_leaves_values_and_state_and_counts_the_slices_steps(
+        cluster, mode):
+    torch.manual_seed(0)
+    c_start = _snapshot([nn.Linear(4, 4) for _ in range(3)][2])
+    for rank, (held, c) in enumerate(cluster.run(_skipped_sometimes, mode).values):
+        (b0, s0), (b1, s1) = held[1]  # step 1, where b got no gradient
+        assert all(torch.equal(b0[k], b1[k]) for k in b0), (
+            f"{mode}, rank {rank}: b moved in the step it got no gradient")
+        for i in (2, 3):  # b's weight and bias: m and v as they were
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(s0[i][k], s1[i][k]), (
+                    f"{mode}, rank {rank}: b's {k} changed in the step it was skipped")
+        # the counter is the slice's: 3 for b too, where torch.optim's would be 2
+        steps = [held[2][1][1][i]["step"].item() for i in range(4)]
+        assert steps == [3.0] * 4, f"{mode}, rank {rank}: steps {steps}, 3 expected"
+        assert not ({4, 5} & held[2][1][1].keys()), (  # c: a group never stepped
+            f"{mode}, rank {rank}: state saved for c, which never got a gradient")
+        assert all(torch.equal(c[k], c_start[k]) for k in c), (
+            f"{mode}, rank {rank}: c, never used, moved")
+
+
+def _offloaded_alike(rank, world_size):
+    from functools import partial
+
+    from labkit.parallel import OffloadedOptimizer
+    from labkit.parallel.zero import ShardedOptimizer
+
+    out = []
+    for inner in (torch.optim.AdamW, partial(OffloadedOptimizer,
+                                             optimizer_cls=torch.optim.AdamW)):
+        torch.manual_seed(0)
+        a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+        o = ShardedOptimizer([*a.parameters(), *b.parameters()], inner, lr=0.1,
+                             weight_decay=0.1, reduce_scatter_gradients=True)
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+        b_after = []
+        for i in range(3):
+            o.zero_grad()
+            (a(x) if i == 1 else b(a(x))).square().mean().backward()
+            o.step()
+            b_after.append(_snapshot(b))
+        out.append((_snapshot(nn.ModuleList([a, b])), b_after))
+    return out
+
+
+def test_an_offloaded_master_copy_is_put_back_too(cluster):
+    # OffloadedOptimizer steps an fp32 master copy on the host and copies it into
+    # the slice: had b's master kept step 1's weight decay, step 2 would bring it
+    # back into b. Same arithmetic as AdamW in place: the same bits
+    res = cluster.run(_offloaded_alike).values
+    for rank, ((plain, b_plain), (offloaded, b_off)) in enumerate(res):
+        for name, b in (("in place", b_plain), ("offloaded", b_off)):
+            assert all(torch.equal(b[0][k], b[1][k]) for k in b[0]), (
+                f"rank {rank}, {name}: b moved in step 1, where it got no gradient")
+        differ = [k for k in plain if not torch.equal(plain[k], offloaded[k])]
+        assert not differ, f"rank {rank}: offloaded {differ} differ from in place"
+
+
+def _plain_state_loads(rank, world_size, plain):
+    from labkit.parallel.zero import ShardedOptimizer
+
+    model, _ = _gpt(False)
+    o = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
+    o.load_state_dict(plain)  # AdamW's, from one process: no state for cross_kv
+    return o.state_dict()
+
+
+def test_a_plain_state_dict_without_state_for_unused_parameters_loads(cluster, gpt):
+    plain = gpt[False]["plain"]
+    for rank, sd in enumerate(cluster.run(_plain_state_loads, plain).values):
+        # each rank keeps its slice; state_dict() gathers it back: the same bits
+        assert sd["state"].keys() == plain["state"].keys(), (
+            f"rank {rank}: state for {sorted(sd['state'])}")
+        for i, st in plain["state"].items():
+            for k, v in st.items():
+                assert torch.equal(sd["state"][i][k], v), (
+                    f"rank {rank}: parameter {i}'s {k} differs after a round trip")
 
 
 # ---------------------------------------------------------------- memory, traffic

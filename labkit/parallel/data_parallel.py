@@ -20,12 +20,27 @@ The loop, the same on every rank, each on its own shard of the batch:
 
 In parameter_server mode the last line is `if rank == 0: opt.step()`, and every
 rank then calls `dp.broadcast_parameters()` (the server's weights to each worker).
+
+Gradient accumulation (梯度累积), k micro-batches a step, as with DDP's `no_sync`
+(any mode; in parameter_server mode the workers' sums go to the server once):
+
+    for x, y in micro_batches[:-1]:         # k - 1 of them
+        with dp.no_sync():                  # this rank's gradients add up in .grad
+            (loss_fn(dp(x), y) / k).backward()
+    x, y = micro_batches[-1]
+    (loss_fn(dp(x), y) / k).backward()      # overlap: the sums' all-reduces start
+    dp.finish_gradient_synchronization()
+    opt.step()
+
+One all-reduce a step instead of k, in the same gradient memory: no_sync() only
+leaves out the sends.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -105,6 +120,8 @@ class DataParallel(torch.nn.Module):
 
         self._spans: list[Span] = []
         self._pending = False  # backward made gradients not yet averaged
+        self._sync = True  # False inside no_sync(): backward only accumulates
+        self._accumulated = False  # a backward ran inside no_sync() since finish
         self._awaiting_weights = False  # parameter_server: step done, not sent
         self._task = -1  # the autograd graph task of the backward now running
         self._compute_start = 0.0
@@ -142,8 +159,25 @@ class DataParallel(torch.nn.Module):
                     t.register_hook(lambda grad: self._backward_started())
         return out
 
+    @contextmanager
+    def no_sync(self):
+        """Backward inside this block adds this rank's gradients into `.grad` and
+        sends nothing; the next backward outside it (then
+        finish_gradient_synchronization()) averages the sum, once. Every rank
+        must enter it for the same micro-batches."""
+        was, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = was
+
     def step_problem(self) -> str | None:
         """Why an optimizer step on this wrapper's parameters would be wrong now."""
+        if self._accumulated and not self._pending:
+            return ("DataParallel: the gradients accumulated under no_sync() are "
+                    "this rank's own; run the last micro-batch's backward outside "
+                    "no_sync() and finish_gradient_synchronization() before "
+                    "optimizer.step()")
         if self._pending:
             return ("DataParallel: call finish_gradient_synchronization() before "
                     "optimizer.step(): this rank's gradients are not yet averaged "
@@ -161,8 +195,15 @@ class DataParallel(torch.nn.Module):
         overlap and naive: every rank then holds the mean gradient. In
         parameter_server mode only rank 0 (the server) does; the workers' grads
         become None, and every rank must call `broadcast_parameters()` after the
-        server's `opt.step()`. Call it after each backward, on every rank.
+        server's `opt.step()`. Call it after each backward, on every rank;
+        with no_sync(), after the backward outside it.
         """
+        if not self._sync:
+            raise RuntimeError(
+                "DataParallel: finish_gradient_synchronization() inside no_sync(): "
+                "the backwards in it only accumulate this rank's gradients, there "
+                "is nothing to average yet. Run the last micro-batch's backward "
+                "after the with-block, then finish.")
         for b in self._buckets:  # naive, parameter_server, or grads never made
             if b.work is None:
                 self._launch(b)
@@ -175,7 +216,7 @@ class DataParallel(torch.nn.Module):
                 self._average(b)
             b.grads = b.flat = b.gathered = b.work = b.done = None
             b.ready = 0
-        self._pending, self._task = False, -1
+        self._pending, self._accumulated, self._task = False, False, -1
         self._awaiting_weights = self.mode == "parameter_server"
 
     @torch.no_grad()
@@ -221,10 +262,14 @@ class DataParallel(torch.nn.Module):
                 "DataParallel(mode='overlap'): a second backward before "
                 "finish_gradient_synchronization(), while the first one's "
                 "all-reduces run. Call finish after each backward, or accumulate "
-                "gradients over several backwards with mode='naive'.")
+                "the first micro-batches' gradients under dp.no_sync().")
         self._task = task
-        if not self._pending:  # a new step: forget the last one's spans
-            self._pending, self._spans = True, []
+        if not (self._pending or self._accumulated):  # a new step: new spans
+            self._spans = []
+        if self._sync:
+            self._pending = True
+        else:
+            self._accumulated = True
         self._compute_start = time.perf_counter()
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
 
@@ -234,7 +279,7 @@ class DataParallel(torch.nn.Module):
 
     def _grad_ready(self, b: _Bucket) -> None:
         self._backward_started()
-        if self.mode != "overlap":  # naive, parameter_server: all wait for finish
+        if self.mode != "overlap" or not self._sync:  # all wait for finish
             return
         b.ready += 1  # each grad once: AccumulateGrad runs once per backward
         if b.ready == len(b.params):

@@ -26,11 +26,26 @@ Gradients, by mode (the reduce-scatter, bucket by bucket: zero_buckets.py):
 - stage 2: post-accumulate-grad hooks reduce-scatter each bucket during backward
   and free its full gradients: after backward every `p.grad` is None and each rank
   holds only its averaged slice, which `step()` consumes (backward twice before a
-  step accumulates into it, as into `p.grad`).
+  step accumulates into it, as into `p.grad`). Accumulating k micro-batches, it
+  sends k reduce-scatters a step for 1/N of the gradient memory; stage 1 after
+  DataParallel's no_sync() sends one all-reduce and holds every gradient whole.
 
 The update is element-wise on flat slices, so `optimizer_cls` must be too (SGD,
 Adam, AdamW, ...): one that looks at a tensor's shape or norm (LAMB, Adafactor)
-would change. A trainable parameter with no gradient steps as if it were zero.
+would change.
+
+A parameter that got no gradient in a step (`.grad` None at step() in stage 1; none
+in a backward since the last step() or zero_grad() in stage 2) is not stepped, as
+in torch.optim: its values and its state elements (Adam's m and v, SGD's momentum,
+an OffloadedOptimizer's master copy) stay bit for bit, whatever the weight decay:
+they are put back after the slice's step. Ranks decide alone: all must use the same
+parameters in a step, as DDP and ZeroRedundancyOptimizer assume. Unlike torch.optim,
+the state is the slice's: a step counter (Adam's bias correction) counts the slice's
+steps, also for a parameter skipped in some; a parameter never stepped holds zeros
+in the state (memory like the others; `state_dict()` leaves them out, as torch.optim
+has none); state born in a step that skips a parameter starts at zero for it (where
+Adam's, and SGD's without dampening, start): an optimizer that keeps a master copy
+of the weights in its state must create it before the first step.
 """
 
 from __future__ import annotations
@@ -57,11 +72,27 @@ class _Group:
     hi: int
     buckets: list = field(default_factory=list)
     grad: torch.Tensor | None = None  # (s,) the averaged gradient of r*s...(r+1)*s
+    got: set = field(default_factory=set)  # stage 2: reduced with a gradient
+    stepped: set = field(default_factory=set)  # parameters stepped at least once
 
     def part(self, p) -> tuple[int, int]:
         """The elements [i, j) of p.reshape(-1) that fall in this rank's slice."""
         a, k = self.offset[p], p.numel()
         return min(max(self.lo - a, 0), k), min(max(self.hi - a, 0), k)
+
+    def gaps(self, got: set) -> list[tuple[int, int]]:
+        """The ranges [a, b) of this rank's slice held by parameters not in `got`."""
+        out: list[tuple[int, int]] = []
+        for p in self.params:
+            i, j = self.part(p)
+            if p in got or i == j:
+                continue
+            a = self.offset[p] + i - self.lo
+            if out and out[-1][1] == a:  # neighbours (a weight and its bias): one
+                out[-1] = (out[-1][0], a + j - i)
+            else:
+                out.append((a, a + j - i))
+        return out
 
 
 def _count_as_gradient(t: torch.Tensor) -> None:
@@ -156,11 +187,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _reduce_bucket(self, grp: _Group, b, keep=None) -> None:
         """Average bucket b's gradients over ranks into this rank's slice. In stage
         2, free the full gradients once copied, all but `keep`'s."""
-        buf = grp.flat.new_zeros(b.end - b.start)
+        buf = grp.flat.new_zeros(b.end - b.start)  # zeros where no gradient came
         for p in b.params:
             if p.grad is not None:
                 o = grp.offset[p] - b.start
                 buf[o:o + p.numel()].view_as(p).copy_(p.grad)
+                grp.got.add(p)
             if self.stage == 2 and p is not keep:
                 p.grad = None
         if grp.grad is None:
@@ -169,9 +201,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             _count_as_gradient(grp.grad)
         reduce_scatter(buf, b.start, grp.s, grp.grad, self.process_group)
 
-    def _grad_slices(self) -> list[torch.Tensor]:
-        """This rank's averaged gradient slice of each group, (hi - lo,) each."""
+    def _grad_slices(self) -> list[tuple[torch.Tensor, set]]:
+        """This rank's averaged gradient slice of each group, (hi - lo,) each, and
+        the group's parameters that got a gradient (the others are not stepped)."""
         params = [p for grp in self._groups for p in grp.params]
+        got = [grp.got if self.stage == 2 else
+               {p for p in grp.params if p.grad is not None} for grp in self._groups]
         if self.stage == 2:
             if all(grp.grad is None for grp in self._groups):
                 raise RuntimeError("step() before backward(): stage 2 has reduced no "
@@ -188,17 +223,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for b in grp.buckets:
                     self._reduce_bucket(grp, b)
         if self.reduce_scatter_gradients:
-            return [grp.flat.new_zeros(grp.hi - grp.lo) if grp.grad is None
-                    else grp.grad[:grp.hi - grp.lo] for grp in self._groups]
+            return [(grp.flat.new_zeros(grp.hi - grp.lo) if grp.grad is None
+                     else grp.grad[:grp.hi - grp.lo], mine)
+                    for grp, mine in zip(self._groups, got)]
         out = []  # gradients averaged by the caller: copy out this rank's slice
-        for grp in self._groups:
+        for grp, mine in zip(self._groups, got):
             g = grp.flat.new_zeros(grp.hi - grp.lo)
             for p in grp.params:
                 i, j = grp.part(p)
                 if p.grad is not None and i < j:
                     at = grp.offset[p] + i - grp.lo
                     g[at:at + j - i] = p.grad.reshape(-1)[i:j]
-            out.append(g)
+            out.append((g, mine))
         return out
 
     def remove_hooks(self) -> None:
@@ -214,28 +250,56 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = self._grad_slices()
-        for g, inner, grad in zip(self.param_groups, self._inner.param_groups, grads):
+        held = []  # what the step must not change: the skipped parameters' elements
+        for i, (g, inner, grp, (grad, got)) in enumerate(zip(
+                self.param_groups, self._inner.param_groups, self._groups,
+                self._grad_slices())):
             inner.update({k: v for k, v in g.items() if k != "params"})  # lr, ...
-            inner["params"][0].grad = grad
+            piece = inner["params"][0]
+            piece.grad = grad if got else None  # none got one: torch.optim skips it
+            gaps = grp.gaps(got) if got else []
+            if gaps:
+                held.append((i, piece, gaps, {
+                    k: [t[a:b].clone() for a, b in gaps]
+                    for k, t in self._elementwise(i, piece).items()}))
+            grp.stepped |= got
         self._inner.step()
+        for i, piece, gaps, saved in held:  # put the skipped elements back
+            for k, t in self._elementwise(i, piece).items():
+                for n, (a, b) in enumerate(gaps):  # state born in this step: zero
+                    t[a:b].copy_(saved[k][n]) if k in saved else t[a:b].zero_()
         for inner in self._inner.param_groups:
             inner["params"][0].grad = None
         for grp in self._groups:
-            grp.grad = None  # consumed: the next backward starts a new one
+            grp.grad, grp.got = None, set()  # consumed: a new backward starts anew
             if grp.s:  # every rank gets every rank's updated slice
                 r, s = self.rank, grp.s
                 dist.all_gather_single(grp.flat, grp.flat[r * s:(r + 1) * s].clone(),
                                        group=self.process_group)
         return loss
 
+    def _elementwise(self, i: int, piece: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Group i's slice and what the inner optimizer keeps of it element by
+        element: an OffloadedOptimizer's master copy, the state of either (Adam's
+        m and v; not a step counter)."""
+        keys = {"slice": piece}
+        master = getattr(self._inner, "master", None)  # an OffloadedOptimizer's
+        if isinstance(master, list):
+            keys["master"] = master[i]
+        out = dict(keys)
+        for name, key in keys.items():
+            for k, v in self._inner.state.get(key, {}).items():
+                if torch.is_tensor(v) and v.dim() == 1 and v.numel() == piece.numel():
+                    out[f"{name} {k}"] = v
+        return out
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         for grp in self._groups:
             if set_to_none:
-                grp.grad = None
+                grp.grad, grp.got = None, set()
             elif grp.grad is not None:
-                grp.grad.zero_()
+                grp.grad.zero_()  # as torch.optim's zeroed .grad: still stepped
 
     def host_resident(self) -> dict[str, list[torch.Tensor]]:
         """What the inner optimizer keeps in host memory, by category (an
@@ -267,6 +331,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     dist.all_gather_single(whole[k], mine, group=self.process_group)
                     each.add(k)
             for p in grp.params if whole else ():
+                if p not in grp.stepped:  # never got a gradient: torch.optim has none
+                    continue
                 a = grp.offset[p]
                 state[index[p]] = {
                     k: v[a:a + p.numel()].view_as(p).clone() if k in each
@@ -289,19 +355,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
             per = [state_dict["state"].get(index[p]) for p in grp.params]
             piece = inner["params"][0]
             self._inner.state.pop(piece, None)
-            if not any(per):
+            # a parameter without state was never stepped (torch.optim saves none):
+            # its elements start at zero; counters are the first parameter's
+            grp.stepped = {p for p, st in zip(grp.params, per) if st}
+            if not grp.stepped:
                 continue
-            if not all(per):
-                raise ValueError("the state dict has state for some trainable "
-                                 "parameters of a group but not for others")
+            p0, first = next((p, st) for p, st in zip(grp.params, per) if st)
             mine = {}
-            for k, v in per[0].items():
+            for k, v in first.items():
                 mine[k] = v.clone() if torch.is_tensor(v) else v
                 # per element: shaped like the parameter (a 0-d one's step is not)
-                p0 = grp.params[0]
                 if torch.is_tensor(v) and v.shape == p0.shape and (v.dim() or
                                                                     k != "step"):
-                    parts = [st[k].reshape(-1)[slice(*grp.part(p))]
+                    parts = [st[k].reshape(-1)[slice(*grp.part(p))] if st else
+                             v.new_zeros(grp.part(p)[1] - grp.part(p)[0])
                              for p, st in zip(grp.params, per)]
                     mine[k] = torch.cat(parts).to(piece)
             self._inner.state[piece] = mine
