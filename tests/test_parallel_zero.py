@@ -621,6 +621,24 @@ def test_stage2_holds_a_quarter_of_the_gradient(measured):
             f"{4 * temp:,} allowed")
 
 
+def test_one_rule_for_gradients_buffers_are_temporaries(measured):
+    # the memory ledger's rule (labkit/ledger/memory.py): Gradient is what a rank
+    # keeps between backward and step(); copies made to move gradients (buckets,
+    # send and receive buffers) and what step() makes and uses are Temp. So no
+    # mode books a buffer as Activation: every mode's Activation peak is the
+    # forward's own, the same as without ZeRO
+    act = {mode: sorted({r["memory"].peak["Activation"] for r in measured[mode]})
+           for mode in MLP_MODES}
+    assert all(v == act["dp"] for v in act.values()), (
+        f"Activation peaks by mode {act}; the forward's {act['dp']} everywhere "
+        "expected")
+    s, _ = _slices(PSI, N)
+    for rank, r in enumerate(measured["zero2"]):  # in step(): only its slice
+        step = r["memory"].phase_peaks["optimizer"]["Gradient"]
+        assert step == 4 * s, (f"zero2, rank {rank}: {step:,} B of Gradient in "
+                               f"step(), its slice 4s = {4 * s:,} expected")
+
+
 def test_traffic_per_rank_is_that_of_an_all_reduce(measured):
     s, _ = _slices(PSI, N)
     padded = N * s  # 793100: the 2 elements of padding travel too

@@ -22,6 +22,17 @@ Activation, Temp, Optstate (and Other). Refinements on top of it:
   (`local_shards` says so), padding included where FSDP2 pads uneven shards.
 - a `.grad` assigned by hand (a hand-made all-reduce) counts as Gradient from the
   next `optimizer.step()` or the end of the block (before: as it was created).
+- one rule for gradients, which every labkit wrapper follows (telling the ledger
+  with `count_as`): Gradient is the gradient a rank keeps between backward and
+  the optimizer step, each value once: a `.grad`, or what a wrapper keeps in its
+  place (ZeRO-2's averaged slice, FSDP's shard `.grad` and the whole gradients
+  it holds under no_sync). Copies made only to move gradients (a packed bucket,
+  a collective's send and receive buffers) are Temp: the ZeRO paper's temporary
+  buffers, residual state, not model state (Rajbhandari et al. 2020, sec. 6.3).
+  So is what is made and used inside optimizer.step() (ZeRO-1's averaged slice).
+  PyTorch's DDP packs into buckets the ledger cannot tell from activations;
+  with gradient_as_bucket_view=True each `.grad` is a view of its bucket, and
+  the bucket is the gradient.
 - host memory (ZeRO-Offload's optimizer state) is kept apart, in `host` and
   `host_peak`, never in the device categories: storages created inside `on_host()`,
   tensors passed to `count_as(t, category, host=True)`, and what a tracked object's

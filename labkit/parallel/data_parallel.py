@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
+from labkit.ledger import count_as
 from labkit.parallel import guards
 from labkit.parallel.events import Span
 
@@ -292,10 +293,14 @@ class DataParallel(torch.nn.Module):
         alone = len(grads) == 1 and grads[0].is_contiguous()
         b.grads = grads
         b.flat = grads[0] if alone else torch.cat([g.reshape(-1) for g in grads])
+        if not alone:  # a packed copy to send: a buffer (Temp), not model state
+            count_as(b.flat, "Temp")
         b.issued = time.perf_counter()
         if self.mode == "parameter_server":
             b.gathered = ([torch.empty_like(b.flat) for _ in range(self.world_size)]
                           if self.rank == 0 else None)
+            for t in b.gathered or ():
+                count_as(t, "Temp")  # receive buffers for the workers' gradients
             b.work = dist.gather(b.flat, b.gathered, group=self.group, group_dst=0,
                                  async_op=True)
         else:

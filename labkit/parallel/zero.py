@@ -95,12 +95,6 @@ class _Group:
         return out
 
 
-def _count_as_gradient(t: torch.Tensor) -> None:
-    """Stage 2's slice is no parameter's `.grad`, so a recording memory ledger would
-    call it a temporary: tell it (a no-op when none records)."""
-    count_as(t, "Gradient")
-
-
 class ShardedOptimizer(torch.optim.Optimizer):
     """ZeRO-1/2: `optimizer_cls` steps only this rank's 1/N slice; step() all-gathers.
 
@@ -188,6 +182,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Average bucket b's gradients over ranks into this rank's slice. In stage
         2, free the full gradients once copied, all but `keep`'s."""
         buf = grp.flat.new_zeros(b.end - b.start)  # zeros where no gradient came
+        count_as(buf, "Temp")  # a copy made to send: a buffer, not model state
         for p in b.params:
             if p.grad is not None:
                 o = grp.offset[p] - b.start
@@ -197,8 +192,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 p.grad = None
         if grp.grad is None:
             grp.grad = grp.flat.new_zeros(grp.s)
-        if self.stage == 2:
-            _count_as_gradient(grp.grad)
+        # stage 2 keeps the slice from backward to step(), in place of the .grads;
+        # stage 1 makes and uses it inside step(): a step temporary
+        count_as(grp.grad, "Gradient" if self.stage == 2 else "Temp")
         reduce_scatter(buf, b.start, grp.s, grp.grad, self.process_group)
 
     def _grad_slices(self) -> list[tuple[torch.Tensor, set]]:
@@ -229,6 +225,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         out = []  # gradients averaged by the caller: copy out this rank's slice
         for grp, mine in zip(self._groups, got):
             g = grp.flat.new_zeros(grp.hi - grp.lo)
+            count_as(g, "Temp")  # a copy of the .grads' values, for the inner step
             for p in grp.params:
                 i, j = grp.part(p)
                 if p.grad is not None and i < j:
@@ -272,9 +269,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             inner["params"][0].grad = None
         for grp in self._groups:
             grp.grad, grp.got = None, set()  # consumed: a new backward starts anew
-            if grp.s:  # every rank gets every rank's updated slice
-                r, s = self.rank, grp.s
-                dist.all_gather_single(grp.flat, grp.flat[r * s:(r + 1) * s].clone(),
+            if grp.s:  # every rank gets every rank's updated slice (in place: the
+                r, s = self.rank, grp.s  # input is this rank's part of the output)
+                dist.all_gather_single(grp.flat, grp.flat[r * s:(r + 1) * s],
                                        group=self.process_group)
         return loss
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from labkit.ledger import count_as
+
 
 @dataclass(eq=False)
 class Bucket:
@@ -54,6 +56,7 @@ def reduce_scatter(buf: torch.Tensor, start: int, s: int, out: torch.Tensor,
         split = [max(0, min(c1, (q + 1) * s) - max(c0, q * s)) for q in range(n)]
         mine = split[r]
         got = buf.new_empty(n * mine)
+        count_as(got, "Temp")  # a receive buffer: the ZeRO paper's temporary buffer
         dist.all_to_all_single(got, buf[c0 - start:c1 - start], [mine] * n, split,
                                group=group)
         if mine:
