@@ -579,14 +579,14 @@ def test_held_gradients_cost_memory_and_save_reduce_scatters(accumulated):
     for hold, runs in accumulated.items():
         sends = 1 if hold else 2  # reduce-scatters a step: once, or per micro-batch
         for rank, r in enumerate(runs):
-            # one all-to-all per parameter and reduce-scatter; the ledger's bus
-            # bytes, S(N-1)/N a call, leave out gloo's headers (a few hundred
-            # bytes a call, more than this small MLP's payload)
+            # one all-to-all per unit (3 Linears) and reduce-scatter; the
+            # ledger's bus bytes, S(N-1)/N a call, leave out gloo's headers (a few
+            # hundred bytes a call, more than this small MLP's payload)
             ops = r["traffic"].by_op()["all_to_all"]
             calls, sent = ops["calls"], ops["bus_bytes"]
-            assert (calls, sent) == (6 * sends, sends * share), (
+            assert (calls, sent) == (3 * sends, sends * share), (
                 f"hold={hold}, rank {rank}: {calls:g} all-to-alls, {sent:,.0f} B; "
-                f"{sends} reduce-scatters of 6 parameters, {sends * share:,.0f} B "
+                f"{sends} reduce-scatters of 3 units, {sends * share:,.0f} B "
                 "expected")
             peak = r["memory"].peak["Gradient"]
             print(f"hold={hold}, rank {rank}: {sent:,} B reduce-scattered, "

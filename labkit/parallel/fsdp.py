@@ -46,6 +46,7 @@ Per unit and step (bytes per rank, Ψ padded elements, 4-byte fp32):
 forward: all-gather, compute, free                 (N-1)/N · 4Ψ
 backward: all-gather (when its output's gradient arrives), compute, free,
 reduce-scatter its gradients into shard.grad      2 × (N-1)/N · 4Ψ
+each one collective for the whole unit, as FSDP2 (flat buffers: fsdp_hooks.py).
 A unit's backward is over when the gradients of its inputs are computed (or, for
 one whose inputs need none, when all its trainable parameters have gradients, or
 backward ends): then its gradients are sent and it is freed.
@@ -432,9 +433,9 @@ class FullyShardedDataParallel(torch.nn.Module):
         send = [p for p in u.trainable if p.leaf.grad is not None]
         if not send:
             return
-        self._fold()  # at most one unit's reduce-scatters in flight
-        self._reductions = [H.launch_reduce(p, self.group, self.world_size,
-                                            u.name) for p in send]
+        self._fold()  # at most one unit's reduce-scatter in flight
+        self._reductions = H.launch_reduce(send, self.group, self.world_size,
+                                           u.name)
 
     def _fold(self) -> None:
         for r in self._reductions:

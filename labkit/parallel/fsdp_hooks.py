@@ -8,8 +8,16 @@ to 0 bytes and refilled before backward: autograd saved views of `leaf` in forwa
 through `full`, a second tensor on the same storage with its own version counter,
 so autograd's "modified by an inplace operation" check never fires.
 
+One collective per unit, as FSDP2: the all-gather moves a flat buffer of N x S
+elements (S = the sum of the unit's s over its parameters), rank r's chunk being
+its shards one after the other; after it, each parameter's (N, s) slice of the
+(N, S) view is copied into its `full` and the flat buffer is freed, so the unit
+is held once. The bytes are those of one all-gather per parameter, concatenated.
+
 Reduce-scatter is an all-to-all and a local sum, as in zero_buckets.py: gloo's
-own reduce_scatter sends all-reduce bytes. The sum runs in fp32 on the receiver,
+own reduce_scatter sends all-reduce bytes. One all-to-all per unit carries the
+gradients it has: an (N, S) buffer whose row i is rank i's piece of each one,
+zero-padded to N*s (torch._chunk_cat). The sum runs in fp32 on the receiver,
 so a bf16 gradient crosses the wire in bf16 and is still summed in fp32.
 """
 
@@ -107,6 +115,7 @@ class Unit:
     params: list
     state: str = "free"  # "free", "gathering" (async, in flight), "full"
     works: list = field(default_factory=list)
+    flats: list = field(default_factory=list)  # (params, flat) per all-gather
     issued: float = 0.0
     done: object = None  # future of the completion time
     ran: bool = False  # its forward ran in this forward
@@ -119,32 +128,58 @@ class Unit:
         return [p for p in self.params if p.trainable]
 
 
+def _by_dtype(params: list, dtype_of) -> list:
+    """[[params of one dtype], ...], in order of first appearance: one flat
+    buffer each (a unit's parameters share one dtype but for odd models)."""
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(dtype_of(p), []).append(p)
+    return list(groups.values())
+
+
 def issue_gather(u: Unit, group) -> None:
-    """Start (async_op=True) the all-gather of every shard of `u` into its `full`
-    buffer, cast to its dtype; `wait_gather` completes it."""
+    """Start (async_op=True) the all-gather of `u`: its shards, cast to the
+    compute dtype, side by side in this rank's chunk of one flat buffer of
+    N x S elements; `wait_gather` completes it and copies each parameter out."""
     u.issued = time.perf_counter()
-    u.works = []
-    for p in u.params:
-        p.full.untyped_storage().resize_(p.full.numel() * p.full.element_size())
-        src = p.shard.detach().to(p.full.dtype)  # a copy only when casting
-        u.works.append(dist.all_gather_single(p.full, src, group=group,
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    u.works, u.flats = [], []
+    for ps in _by_dtype(u.params, lambda p: p.full.dtype):
+        size = sum(p.s for p in ps)
+        flat = torch.empty(n * size, dtype=ps[0].full.dtype,
+                           device=ps[0].full.device)
+        count_as(flat, "Parameter")  # the unit's parameters, being gathered
+        mine = flat[r * size:(r + 1) * size]  # the input is the output's chunk,
+        torch.cat([p.shard.detach() for p in ps], out=mine)  # as FSDP2's (cast)
+        u.works.append(dist.all_gather_single(flat, mine, group=group,
                                               async_op=True))
+        u.flats.append((ps, flat))
     futures = torch.futures.collect_all([w.get_future() for w in u.works])
     u.done = futures.then(_completed_at)
     u.state = "gathering"
 
 
 def wait_gather(u: Unit, spans: list) -> None:
+    """Wait for `u`'s all-gather; copy each parameter into its `full` and free
+    the flat buffer."""
     if u.state != "gathering":
         return
     for w in u.works:
         w.wait()
-    nbytes = sum(p.full.nbytes for p in u.params)
+    nbytes = sum(flat.nbytes for _, flat in u.flats)
     spans.append(Span("comm", f"all_gather {u.name}", u.issued, u.done.wait(),
                       nbytes))
-    for p in u.params:
-        count_as(p.full, "Parameter")  # gathered: a parameter while it is whole
-    u.works, u.done, u.state = [], None, "full"
+    for ps, flat in u.flats:
+        for p in ps:  # a parameter while it is whole: tagged before it grows, so
+            count_as(p.full, "Parameter")  # its bytes are never seen as another
+            p.full.untyped_storage().resize_(p.full.numel() * p.full.element_size())
+        n = flat.numel() // sum(p.s for p in ps)
+        torch.split_with_sizes_copy(flat.view(n, -1), [p.s for p in ps], dim=1,
+                                    out=[p.full.view(n, p.s) for p in ps])
+        flat.untyped_storage().resize_(0)  # the unit is held once: in its fulls
+    # copying out, the unit is whole twice for a moment (flat and fulls), as in
+    # FSDP2 (its all-gather output and its unsharded parameters)
+    u.works, u.flats, u.done, u.state = [], [], None, "full"
 
 
 def free(u: Unit) -> None:
@@ -160,9 +195,9 @@ def _completed_at(fut) -> float:
 
 @dataclass(eq=False)
 class Reduction:
-    """One parameter's reduce-scatter in flight: sent, received, when."""
+    """One unit's reduce-scatter in flight: its parameters, sent, received, when."""
 
-    p: Sharded
+    params: list  # the Sharded sent, in the order of the buffer's columns
     send: torch.Tensor
     got: torch.Tensor
     work: object
@@ -171,36 +206,43 @@ class Reduction:
     name: str
 
 
-def launch_reduce(p: Sharded, group, n: int, name: str) -> Reduction:
-    """Send p's full gradient (zero-padded to N*s), 1/N to each rank; free it.
-    Only for a parameter that has one: one without is not sent (fsdp.py)."""
-    g = p.leaf.grad
-    if p.numel == n * p.s:
-        send = g.reshape(-1)
-    else:
-        send = p.full.new_zeros(n * p.s)
-        send[:p.numel] = g.reshape(-1)
-    p.leaf.grad = None
-    got = torch.empty_like(send)
-    t0 = time.perf_counter()
-    work = dist.all_to_all_single(got, send, group=group, async_op=True)
-    return Reduction(p, send, got, work, work.get_future().then(_completed_at), t0,
-                     name)
+def launch_reduce(params: list, group, n: int, name: str) -> list:
+    """Send the full gradients of `params` (each zero-padded to N*s), rank i's
+    piece of each one, side by side, to rank i: one all-to-all (per dtype); free
+    them. Only parameters that have one: one without is not sent (fsdp.py)."""
+    out = []
+    for ps in _by_dtype(params, lambda p: p.leaf.grad.dtype):
+        send = torch._chunk_cat([p.leaf.grad.reshape(-1) for p in ps], 0, n)
+        for p in ps:
+            p.leaf.grad = None
+        got = torch.empty_like(send)
+        # copies made to move the gradients: buffers, Temp (the ledger's rule);
+        # the gradient is what fold() leaves in each shard's .grad
+        count_as(send, "Temp")
+        count_as(got, "Temp")
+        t0 = time.perf_counter()
+        work = dist.all_to_all_single(got.view(-1), send.view(-1), group=group,
+                                      async_op=True)
+        out.append(Reduction(ps, send, got, work,
+                             work.get_future().then(_completed_at), t0, name))
+    return out
 
 
 @torch.no_grad()
 def fold(r: Reduction, n: int, spans: list) -> None:
-    """Wait; average the N pieces received, in fp32, into this rank's shard.grad."""
+    """Wait; average the N pieces received, in fp32, into this rank's shard.grad
+    of each parameter sent."""
     r.work.wait()
     spans.append(Span("comm", f"reduce_scatter {r.name}", r.issued, r.done.wait(),
                       r.send.nbytes))
-    mine = r.got.view(n, r.p.s).to(torch.float32).sum(0).div_(n)
-    shard = r.p.shard
-    if shard.grad is None:
-        shard.grad = mine
-    else:
-        shard.grad += mine
-    count_as(shard.grad, "Gradient")
+    summed = r.got.view(n, -1).to(torch.float32).sum(0).div_(n)
+    for p, mine in zip(r.params, summed.split([p.s for p in r.params])):
+        shard = p.shard
+        if shard.grad is None:
+            shard.grad = mine
+        else:
+            shard.grad += mine
+        count_as(shard.grad, "Gradient")
     r.send = r.got = r.work = r.done = None
 
 
