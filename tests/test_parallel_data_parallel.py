@@ -367,3 +367,62 @@ def test_first_bucket_cap_starts_the_first_all_reduce_early():
     early = _make_buckets(named, cap=4 * mib, first_cap=1 * mib)
     assert [b.names for b in plain] == [["a", "b"], ["c", "d"]]
     assert [b.names for b in early] == [["a"], ["b", "c"], ["d"]]
+
+
+# -- checkpointed blocks (issue 20): a reentrant checkpoint runs a backward inside ours
+
+
+def _checkpointed(rank, world_size, wrapper, how, reentrant):
+    from labkit.parallel import ShardedOptimizer
+    from tests.models import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(checkpoint=how, reentrant=reentrant)
+    ids = _gpt_batch()[rank * 2:(rank + 1) * 2]
+    adamw = dict(lr=1e-2, eps=1e-6)  # eps: see test_parallel_fsdp_models.py
+    if wrapper == "DataParallel":
+        dp = DataParallel(model, bucket_mb=0.01)  # several buckets
+        opt, sync = torch.optim.AdamW(model.parameters(), **adamw), \
+            dp.finish_gradient_synchronization
+    else:  # ZeRO-2: its hooks reduce-scatter during backward
+        dp, sync = model, (lambda: None)
+        opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2,
+                               bucket_mb=0.01, **adamw)
+    for _ in range(3):
+        opt.zero_grad()
+        dp(input_ids=ids, labels=ids).backward()
+        sync()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _gpt_batch():
+    return torch.randint(0, 37, (2 * N, 8), generator=torch.Generator().manual_seed(1))
+
+
+def _gpt_one_process(dtype, pieces=1):
+    from tests.models import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT().to(dtype)
+    ids = _gpt_batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    for _ in range(3):
+        opt.zero_grad()
+        for part in ids.chunk(pieces):
+            (model(input_ids=part, labels=part) / pieces).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def test_checkpointed_blocks_train_as_one_process(cluster):
+    oracle = Oracle(_gpt_one_process(torch.float64), {
+        "whole batch": _gpt_one_process(torch.float32),
+        f"{N} quarters": _gpt_one_process(torch.float32, N)})
+    for wrapper in ("DataParallel", "ShardedOptimizer stage 2"):
+        for how in ("forward", "call"):
+            for reentrant in (False, True):
+                got = cluster.run(_checkpointed, wrapper, how, reentrant).values
+                for rank, params in enumerate(got):
+                    oracle.check(params, f"{wrapper}, checkpoint around {how}, "
+                                 f"reentrant={reentrant}, rank {rank}")
