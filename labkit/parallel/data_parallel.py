@@ -124,7 +124,7 @@ class DataParallel(torch.nn.Module):
         self._sync = True  # False inside no_sync(): backward only accumulates
         self._accumulated = False  # a backward ran inside no_sync() since finish
         self._awaiting_weights = False  # parameter_server: step done, not sent
-        self._tasks: list[int] = []  # graph tasks of the backward now running
+        self._backward = guards.Backward(self, "_backward_ended")
         self._compute_start = 0.0
         ref = weakref.ref(self)  # hooks must not keep this wrapper alive
         handles = [p.register_post_accumulate_grad_hook(partial(_on_grad, ref, b))
@@ -217,7 +217,8 @@ class DataParallel(torch.nn.Module):
                 self._average(b)
             b.grads = b.flat = b.gathered = b.work = b.done = None
             b.ready = 0
-        self._pending, self._accumulated, self._tasks = False, False, []
+        self._pending, self._accumulated = False, False
+        self._backward.reset()
         self._awaiting_weights = self.mode == "parameter_server"
 
     @torch.no_grad()
@@ -257,19 +258,15 @@ class DataParallel(torch.nn.Module):
         """Called by every hook; acts once per backward (autograd graph task). A
         reentrant checkpoint runs a backward (a new graph task) inside ours: it is
         part of ours."""
-        task = torch._C._current_graph_task_id()
-        if task in self._tasks:
+        if self._backward.seen():
             return
-        if not self._tasks and self._pending and self.mode == "overlap":
+        if not self._backward.running and self._pending and self.mode == "overlap":
             raise RuntimeError(
                 "DataParallel(mode='overlap'): a second backward before "
                 "finish_gradient_synchronization(), while the first one's "
                 "all-reduces run. Call finish after each backward, or accumulate "
                 "the first micro-batches' gradients under dp.no_sync().")
-        queue = torch.autograd.Variable._execution_engine.queue_callback
-        queue(partial(self._task_ended, task))  # runs when `task` ends
-        self._tasks.append(task)
-        if len(self._tasks) > 1:  # inside ours
+        if not self._backward.enter():  # inside ours
             return
         if not (self._pending or self._accumulated):  # a new step: new spans
             self._spans = []
@@ -278,12 +275,6 @@ class DataParallel(torch.nn.Module):
         else:
             self._accumulated = True
         self._compute_start = time.perf_counter()
-
-    def _task_ended(self, task: int) -> None:
-        if task in self._tasks:
-            self._tasks.remove(task)
-        if not self._tasks:  # the outermost one: our backward is over
-            self._backward_ended()
 
     def _backward_ended(self) -> None:
         self._spans.append(Span("compute", "backward", self._compute_start,

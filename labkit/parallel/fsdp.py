@@ -155,7 +155,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         self._reductions: list[H.Reduction] = []
         self._stack: list[H.Unit] = []  # units whose forward is running
         self._pending = False  # backward ran; finish not yet called
-        self._tasks: list[int] = []  # graph tasks of the backward now running
+        self._backward = guards.Backward(self, "_backward_ended")
         self._sync = True  # reduce-scatter in each backward
         self._held: dict[H.Sharded, torch.Tensor] = {}  # whole fp32 gradients
         self._clock: float | None = None  # start of the compute now running
@@ -190,7 +190,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         if not self._pending:  # a new step: forget the last one's spans
             self._spans = []
         if torch._C._current_graph_task_id() == -1:  # no backward of ours runs
-            self._tasks = []
+            self._backward.reset()
         self._stack = []
         for u in self._units:
             u.ran = False
@@ -251,7 +251,8 @@ class FullyShardedDataParallel(torch.nn.Module):
                 p.grad.div_(self.world_size)
                 self._spans.append(Span("comm", "all_reduce (replicated)", t0,
                                         time.perf_counter(), p.grad.nbytes))
-        self._pending, self._tasks = False, []
+        self._pending = False
+        self._backward.reset()
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
@@ -361,13 +362,7 @@ class FullyShardedDataParallel(torch.nn.Module):
     def _backward_started(self, _=None, grad=None) -> None:
         """Called by every backward hook; acts once per backward. A reentrant
         checkpoint runs a backward (a new graph task) inside ours: part of it."""
-        task = torch._C._current_graph_task_id()
-        if task in self._tasks:
-            return
-        queue = torch.autograd.Variable._execution_engine.queue_callback
-        queue(_call(weakref.ref(self), "_task_ended", task))  # when `task` ends
-        self._tasks.append(task)
-        if len(self._tasks) > 1:  # inside ours
+        if self._backward.seen() or not self._backward.enter():  # inside ours
             return
         self._pending = True
         for u in self._units:
@@ -441,12 +436,6 @@ class FullyShardedDataParallel(torch.nn.Module):
         for r in self._reductions:
             H.fold(r, self.world_size, self._spans)
         self._reductions = []
-
-    def _task_ended(self, task: int) -> None:
-        if task in self._tasks:
-            self._tasks.remove(task)
-            if not self._tasks:
-                self._backward_ended()
 
     def _backward_ended(self) -> None:
         self._tick()

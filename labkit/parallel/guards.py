@@ -1,6 +1,6 @@
 """What every data-parallel wrapper checks, written once: its tensors are on a
-device its process group can send, and no optimizer steps on gradients the wrapper
-has not finished synchronizing."""
+device its process group can send, no optimizer steps on gradients the wrapper
+has not finished synchronizing, and which backward is running (`Backward`)."""
 
 from __future__ import annotations
 
@@ -57,3 +57,39 @@ def release(handles) -> None:
     if _STEP_HOOK is not None and not any(True for _ in _LIVE):
         _STEP_HOOK.remove()
         _STEP_HOOK = None
+
+
+class Backward:
+    """The backward now running, as the autograd graph tasks it is made of: a
+    reentrant checkpoint runs a backward (a new graph task) inside ours, which is
+    part of ours. `seen()`: this task is already part of it; `enter()` records
+    it and is True for the outermost one; when that ends, `owner.<on_end>()`
+    runs (the owner held weakly: a running backward keeps no wrapper alive)."""
+
+    def __init__(self, owner, on_end: str):
+        self._owner, self._on_end = weakref.ref(owner), on_end
+        self._tasks: list[int] = []
+
+    @property
+    def running(self) -> bool:
+        return bool(self._tasks)
+
+    def seen(self) -> bool:
+        return torch._C._current_graph_task_id() in self._tasks
+
+    def enter(self) -> bool:
+        task = torch._C._current_graph_task_id()
+        queue = torch.autograd.Variable._execution_engine.queue_callback
+        queue(lambda: self._ended(task))  # runs when `task` ends
+        self._tasks.append(task)
+        return len(self._tasks) == 1
+
+    def reset(self) -> None:
+        self._tasks = []
+
+    def _ended(self, task: int) -> None:
+        if task in self._tasks:
+            self._tasks.remove(task)
+            owner = self._owner()
+            if not self._tasks and owner is not None:
+                getattr(owner, self._on_end)()
