@@ -533,8 +533,9 @@ def _mlp():
 
 PSI = 3 * (W * W + W) + W * 10 + 10  # 793098 elements, not a multiple of 4
 MLP_BUCKET_MB = 1.0  # 262144 float32: buckets L3+L4, L2, L1
-MLP_MODES = {"dp": None, **MODES,
-             "zero2": {"stage": 2, "bucket_mb": MLP_BUCKET_MB}}
+MLP_MODES = {"dp": None, **MODES,  # stage 2 gathers with one all-gather, the
+             "zero2": {"stage": 2, "bucket_mb": MLP_BUCKET_MB,  # others as gloo's
+                       "gather": "all_gather"}}  # default: a broadcast per rank
 
 
 def _measure(rank, world_size, mode):
@@ -648,16 +649,19 @@ def test_traffic_per_rank_is_that_of_an_all_reduce(measured):
                       "all_gather (parameters)": share}, (theory, share)
     # wire bytes are the payload plus gloo's headers, a few hundred bytes a call:
     # well under the 1% allowed below
-    for mode in ("zero1_rs", "zero2"):
+    for mode, gather in (("zero1_rs", "broadcast"), ("zero2", "all_gather")):
         for r in measured[mode]:
             t = r["traffic"]
-            # reduce-scatter = all-to-all + local sum: (N-1)/N of the gradients
-            for op in ("all_to_all", "all_gather"):
+            # reduce-scatter = all-to-all + local sum: (N-1)/N of the gradients;
+            # the parameters' gather, N broadcasts or an all-gather: (N-1)/N too
+            for op in ("all_to_all", gather):
                 sent = t.total("wire_bytes", op=op)
                 assert abs(sent - share) <= 0.01 * share, (
                     f"{mode}: {op} wrote {sent:,} B, (N-1)/N·4·padded = "
                     f"{share:,.0f} ± 1% expected")
-            assert set(t.by_op()) == {"all_to_all", "all_gather"}, t.by_op()
+            assert set(t.by_op()) == {"all_to_all", gather}, (
+                f"{mode}: collectives {sorted(t.by_op())}, all_to_all and {gather} "
+                "expected")
     # the same bytes as data parallelism's all-reduce, 2(N-1)/N * 4 * PSI
     dp_formula = 2 * (N - 1) / N * 4 * PSI
     for mode in ("dp", "zero1_rs", "zero2"):
@@ -685,6 +689,8 @@ def test_bad_arguments_and_no_process_group():
         ShardedOptimizer(p, torch.optim.SGD, stage=2, reduce_scatter_gradients=False)
     with pytest.raises(ValueError, match="bucket_mb"):
         ShardedOptimizer(p, torch.optim.SGD, bucket_mb=0)
+    with pytest.raises(ValueError, match="gather must be one of"):
+        ShardedOptimizer(p, torch.optim.SGD, gather="ring")
     with pytest.raises(RuntimeError, match="process group"):
         ShardedOptimizer(p, torch.optim.SGD, lr=0.1)
 

@@ -3,8 +3,10 @@ next to PyTorch's own (DDP, ZeroRedundancyOptimizer, FSDP2's fully_shard) on the
 same model (a 4-layer MLP, and a GPT whose head is tied to its embedding), the
 same ranks and the same run, interleaved so machine noise hits both alike. Step
 times are timings; optimizer state (the memory ledger's holdings) and FSDP's peak
-memory per rank (the memory ledger's peak total over one untimed step) are bytes,
-not timings."""
+memory per rank (the memory ledger's peak total over one untimed step a round,
+each rank's median over the rounds) are bytes, not timings. A step's peak varies a
+little with timing (now and then a rank holds a collective's buffer a moment
+longer, ~1 MiB here, FSDP2's as ours), hence the median."""
 
 from __future__ import annotations
 
@@ -165,7 +167,7 @@ def bench_strategies(world_size: int = 4, rounds: int = 5, steps: int = 10) -> i
         for kind, what in MODELS.items():
             print(f"{kind}: {what}")
             seconds = {k: [] for k in names}
-            state, peak = {}, {}
+            state, peak = {}, {k: [] for k in MEASURED}
             for r in range(rounds):  # interleaved: each round runs each strategy once
                 print(f"  … round {r + 1} of {rounds}", flush=True)
                 for name in names:
@@ -173,7 +175,9 @@ def bench_strategies(world_size: int = 4, rounds: int = 5, steps: int = 10) -> i
                     seconds[name].append(max(s for s, _, _ in res))  # slowest rank
                     state[name] = [b for _, b, _ in res]
                     if name in MEASURED:
-                        peak[name] = [p for _, _, p in res]
+                        peak[name].append([p for _, _, p in res])
+            peak = {k: [statistics.median(p) for p in zip(*v)]  # a rank's median
+                    for k, v in peak.items()}
             rows += strategy_rows({k: statistics.median(v)
                                    for k, v in seconds.items()}, state, n, peak,
                                   model="" if kind == "MLP" else kind)

@@ -20,6 +20,10 @@ others are not re-sharded.
 Gradients, by mode (the reduce-scatter, bucket by bucket: zero_buckets.py):
 - stage 1 (default): `p.grad` already holds the average over ranks; `step()` reads
   its slice, updates it, all-gathers the parameters: each rank sends (N-1)*s.
+  The all-gather is `gather`: "all_gather" (the default on NCCL) or "broadcast",
+  N broadcasts side by side, one from each slice's owner, as PyTorch's
+  ZeroRedundancyOptimizer does (the default on gloo, whose all-gather is a ring of
+  N-1 steps in a row): the same bytes, the traffic ledger names what was called.
 - stage 1, reduce_scatter_gradients=True: `p.grad` is this rank's own gradient;
   `step()` first reduce-scatters it, so each rank sends 2(N-1)*s = 2(N-1)/N of
   the (padded) parameters, as data parallelism's all-reduce does (paper, sec. 7).
@@ -57,7 +61,8 @@ import torch
 import torch.distributed as dist
 
 from labkit.ledger import count_as
-from labkit.parallel.zero_buckets import BucketHooks, make_buckets, reduce_scatter
+from labkit.parallel.zero_buckets import (GATHERS, BucketHooks, gather_slices,
+                                         make_buckets, reduce_scatter)
 
 
 @dataclass(eq=False)
@@ -101,12 +106,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     `param_groups` hold your parameters (an lr scheduler works as usual); `state` is
     the slice's (Adam: m and v of s elements per group, plus a step counter).
     `state_dict()` is collective and returns what `optimizer_cls` itself would
-    save; `load_state_dict` takes either, on any number of ranks.
+    save; `load_state_dict` takes either, on any number of ranks. `gather` picks
+    the parameters' all-gather: "all_gather" or "broadcast" (see the module).
     """
 
     def __init__(self, params, optimizer_cls: type[torch.optim.Optimizer], *,
                  stage: int = 1, reduce_scatter_gradients: bool | None = None,
-                 bucket_mb: float = 25.0, group=None, **optimizer_kwargs):
+                 bucket_mb: float = 25.0, gather: str | None = None, group=None,
+                 **optimizer_kwargs):
         if stage not in (1, 2):
             raise ValueError(f"ShardedOptimizer does ZeRO stage 1 or 2, not {stage!r} "
                              "(stage 3 shards the parameters too: that is FSDP)")
@@ -117,6 +124,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              "backward); leave out reduce_scatter_gradients")
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, not {bucket_mb!r}")
+        if gather not in (None, *GATHERS):
+            raise ValueError(f"gather must be one of {GATHERS} (or None: the "
+                             f"backend's faster), not {gather!r}")
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "ShardedOptimizer needs a torch.distributed process group: create it "
@@ -125,6 +135,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.stage, self.reduce_scatter_gradients = stage, reduce_scatter_gradients
         self._backend = dist.get_backend(group)
+        # NCCL's all-gather is one kernel; gloo's is a ring of N-1 steps one after
+        # another, which N broadcasts side by side beat (bench strategies)
+        self.gather = gather or ("broadcast" if self._backend == "gloo"
+                                 else "all_gather")
         self._bucket_bytes = bucket_mb * 2**20  # MiB, like DDP's bucket_cap_mb
         self._cls, self._inner, self._groups = optimizer_cls, None, []
         self._hooks = BucketHooks(self._reduce_bucket) if stage == 2 else None
@@ -269,10 +283,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             inner["params"][0].grad = None
         for grp in self._groups:
             grp.grad, grp.got = None, set()  # consumed: a new backward starts anew
-            if grp.s:  # every rank gets every rank's updated slice (in place: the
-                r, s = self.rank, grp.s  # input is this rank's part of the output)
-                dist.all_gather_single(grp.flat, grp.flat[r * s:(r + 1) * s],
-                                       group=self.process_group)
+            if grp.s:  # every rank gets every rank's updated slice, in place
+                gather_slices(grp.flat, grp.s, self.gather, self.process_group)
         return loss
 
     def _elementwise(self, i: int, piece: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,5 +1,6 @@
-"""ZeRO's gradient reduce-scatter, bucket by bucket (zero.py's helper): the buckets,
-the reduce-scatter itself, and stage 2's hooks that run it during backward.
+"""ZeRO's collectives (zero.py's helpers): the gradient reduce-scatter, bucket by
+bucket (the buckets, the reduce-scatter itself, and stage 2's hooks that run it
+during backward), and the all-gather of the updated parameters.
 
 Reduce-scatter is an all-to-all followed by a local sum: gloo's own reduce_scatter
 sends as much as an all-reduce (2(N-1)/N of the payload, measured in
@@ -63,6 +64,25 @@ def reduce_scatter(buf: torch.Tensor, start: int, s: int, out: torch.Tensor,
             at = max(c0, r * s) - r * s
             out[at:at + mine].add_(got.view(n, mine).sum(0).div_(n))  # op=AVG
         del got  # before the next piece's buffer exists
+
+
+GATHERS = ("all_gather", "broadcast")
+
+
+def gather_slices(flat: torch.Tensor, s: int, how: str, group=None) -> None:
+    """In place, every rank's slice flat[q*s:(q+1)*s] from rank q, on every rank:
+    one all-gather, or (how="broadcast") N broadcasts, one from each slice's owner,
+    all in flight at once, as ZeroRedundancyOptimizer does. Each rank sends its
+    slice to the N-1 others either way, (N-1)*s elements; gloo's all-gather is a
+    ring whose N-1 steps follow one another, the broadcasts run side by side."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    if how == "all_gather":  # the input is this rank's part of the output
+        dist.all_gather_single(flat, flat[r * s:(r + 1) * s], group=group)
+        return
+    works = [dist.broadcast(flat[q * s:(q + 1) * s], group_src=q, group=group,
+                            async_op=True) for q in range(n)]
+    for w in works:
+        w.wait()
 
 
 class BucketHooks:
