@@ -93,6 +93,7 @@ test: lint test-lib test-notebooks $(if $(wildcard $(CHROMIUM)),browser-test)
 
 lint: install
 	$(BIN)/ruff check labkit tests
+	$(BIN)/lint-imports --no-cache  # the layers contract in pyproject.toml
 
 # the browser test runs as its own step (below), after the chapters pass under nbval
 test-lib: install

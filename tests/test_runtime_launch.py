@@ -17,13 +17,9 @@ import pytest
 import torch
 
 from labkit.cli.export import export_notebook
+from labkit.cli.results import summary
 from labkit.runtime.launch import parse_args
-from labkit.runtime.results_io import (
-    ResultsError,
-    load_results,
-    save_rank_result,
-    summary,
-)
+from labkit.runtime.results_io import ResultsError, load_results, save_rank_result
 
 PY = sys.executable
 N_NODES, PER_NODE = 2, 2

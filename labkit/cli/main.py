@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return export(args.notebook, args.out)
     if args.cmd == "results":
-        from labkit.runtime.results_io import results_command
+        from labkit.cli.results import results_command
 
         return results_command(args.dirs, args.chart)
     if args.cmd == "images":

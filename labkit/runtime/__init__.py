@@ -9,15 +9,19 @@ frames (wire.py), results and errors (results.py), `%%ranks` (magics.py), and
 library, torch and cloudpickle.
 """
 
-from labkit.runtime.cluster import Cluster, default_cluster, run
-from labkit.runtime.progress import progress
-from labkit.runtime.results import (
+from labkit.runtime import forkserver as _forkserver
+
+_forkserver.prewarm()  # in a notebook: the rank forkserver imports torch meanwhile
+
+from labkit.runtime.cluster import Cluster, default_cluster, run  # noqa: E402
+from labkit.runtime.progress import progress  # noqa: E402
+from labkit.runtime.results import (  # noqa: E402
     ClusterClosed,
     CollectiveTimeout,
     RankError,
     RankResults,
 )
-from labkit.runtime.results_io import ResultsError, load_results
+from labkit.runtime.results_io import ResultsError, load_results  # noqa: E402
 
 __all__ = ["Cluster", "ClusterClosed", "CollectiveTimeout", "RankError", "RankResults",
            "ResultsError", "default_cluster", "load_results", "progress", "run"]
