@@ -23,17 +23,95 @@ def bench_model_parallel(world_size: int) -> int:
     return exit_code(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
+# -- one function per command: (parsed arguments) -> exit status ----------------
+
+
+def _doctor(args) -> int:
+    from labkit.cli.doctor import doctor
+
+    return doctor()
+
+
+def _bench(args) -> int:
+    n = args.world_size or (2 if args.what == "model-parallel" else 4)
+    if args.what == "model-parallel":
+        return bench_model_parallel(n)
+    if args.what == "strategies":
+        from labkit.cli.bench_strategies import bench_strategies
+
+        return bench_strategies(n)
+    if args.what == "roofline":  # one GPU, no ranks
+        from labkit.cli.bench_roofline import bench_roofline
+
+        return bench_roofline()
+    if args.what == "ring":
+        from labkit.cli.bench_ring import bench_ring
+
+        return bench_ring(n)
+    from labkit.cli.bench import bench_cluster
+
+    return bench_cluster(n)
+
+
+def _launch(args) -> int:
+    from labkit.runtime.launch import launch
+
+    try:
+        return launch(args.target, args.nproc, args.torchrun, args.args, args.results)
+    except ValueError as e:
+        print(f"labkit launch: {e}", file=sys.stderr)
+        return 2
+
+
+def _export(args) -> int:
+    from labkit.cli.export import export
+
+    return export(args.notebook, args.out)
+
+
+def _results(args) -> int:
+    from labkit.cli.results import results_command
+
+    return results_command(args.dirs, args.chart)
+
+
+def _images(args) -> int:
+    from labkit.cli.images import render
+
+    for path in render():
+        print(f"wrote {path}")
+    return 0
+
+
+def _clean_notebooks(args) -> int:
+    from labkit.cli.nbclean import clean, mark_slides
+
+    for path in args.paths:
+        changed = clean(path) | mark_slides(path)
+        print(("cleaned   " if changed else "clean     ") + path)
+    return 0
+
+
+def _student(args) -> int:
+    from labkit.cli.student import student
+
+    return student(args.out, run=args.run)
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m labkit")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("doctor", help="versions, backend, and a 2-rank smoke test")
+    sub.add_parser("doctor", help="versions, backend, and a 2-rank smoke test"
+                   ).set_defaults(func=_doctor)
     b = sub.add_parser("bench", help="benchmarks: each figure beside its target; "
                        "exit status 1 when one falls short")
     b.add_argument("what", choices=["cluster", "ring", "strategies", "model-parallel",
                                     "roofline"])
     b.add_argument("--world-size", type=int, default=None,
                    help="ranks (default: 2 for model-parallel, else 4)")
-    sub.add_parser("images", help="draw the course's diagrams into images/")
+    b.set_defaults(func=_bench)
+    sub.add_parser("images", help="draw the course's diagrams into images/"
+                   ).set_defaults(func=_images)
     la = sub.add_parser("launch", help="run FILE.py:FUNCTION under torchrun")
     la.add_argument("target", help="FILE.py:FUNCTION or module:FUNCTION")
     la.add_argument("args", nargs="*", help="fn's arguments after (rank, "
@@ -43,84 +121,35 @@ def main(argv: list[str] | None = None) -> int:
                     help="folder: every rank writes what fn returned to rank{r}.pt")
     la.add_argument("--torchrun", nargs="...", default=[],
                     help="everything after this goes to torchrun")
+    la.set_defaults(func=_launch)
     ex = sub.add_parser("export", help="a notebook's imports, constants and "
                         "functions as an importable module (for torchrun)")
     ex.add_argument("notebook")
     ex.add_argument("--out", required=True, help="the module to write (FILE.py)")
+    ex.set_defaults(func=_export)
     rs = sub.add_parser("results", help="merge a torchrun run's rank*.pt files in "
                         "rank order and summarize them")
     rs.add_argument("dirs", nargs="+", help="the --results folder(s), one per node "
                     "without a shared file system")
     rs.add_argument("--chart", default=None,
                     help="folder: draw the ledgers the ranks returned as PNGs")
+    rs.set_defaults(func=_results)
     c = sub.add_parser("clean-notebooks",
                        help="strip outputs and execution counts; mark slides")
     c.add_argument("paths", nargs="+")
+    c.set_defaults(func=_clean_notebooks)
     st = sub.add_parser("student", help="the student edition: solutions out, outputs "
                         "cleared, into dist/student/")
     st.add_argument("--out", default=None, help="folder (default: dist/student)")
     st.add_argument("--run", action="store_true",
                     help="then run each notebook up to its first exercise")
-    args = p.parse_args(argv)
+    st.set_defaults(func=_student)
+    return p
 
-    if args.cmd == "doctor":
-        from labkit.cli.doctor import doctor
 
-        return doctor()
-    if args.cmd == "bench":
-        from labkit.cli.bench import bench_cluster
-
-        n = args.world_size or (2 if args.what == "model-parallel" else 4)
-        if args.what == "model-parallel":
-            return bench_model_parallel(n)
-        if args.what == "strategies":
-            from labkit.cli.bench_strategies import bench_strategies
-
-            return bench_strategies(n)
-        if args.what == "roofline":  # one GPU, no ranks
-            from labkit.cli.bench_roofline import bench_roofline
-
-            return bench_roofline()
-        if args.what == "ring":
-            from labkit.cli.bench_ring import bench_ring
-
-            return bench_ring(n)
-        return bench_cluster(n)
-    if args.cmd == "launch":
-        from labkit.runtime.launch import launch
-
-        try:
-            return launch(args.target, args.nproc, args.torchrun, args.args,
-                          args.results)
-        except ValueError as e:
-            print(f"labkit launch: {e}", file=sys.stderr)
-            return 2
-    if args.cmd == "export":
-        from labkit.cli.export import export
-
-        return export(args.notebook, args.out)
-    if args.cmd == "results":
-        from labkit.cli.results import results_command
-
-        return results_command(args.dirs, args.chart)
-    if args.cmd == "images":
-        from labkit.cli.images import render
-
-        for path in render():
-            print(f"wrote {path}")
-        return 0
-    if args.cmd == "clean-notebooks":
-        from labkit.cli.nbclean import clean, mark_slides
-
-        for path in args.paths:
-            changed = clean(path) | mark_slides(path)
-            print(("cleaned   " if changed else "clean     ") + path)
-        return 0
-    if args.cmd == "student":
-        from labkit.cli.student import student
-
-        return student(args.out, run=args.run)
-    return 2
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.func(args)
 
 
 if __name__ == "__main__":  # python -m labkit.cli.main
