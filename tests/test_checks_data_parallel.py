@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from labkit.checks.common import ExerciseError
 from labkit.checks.data_parallel import (
+    check_bucket_count,
     check_bucket_flush,
     check_bytes_per_step,
     check_uneven_shards,
@@ -142,3 +143,66 @@ def test_bytes_per_step(capsys):
                                             r"traffic ledger measured 1,600 written "
                                             r"by rank 0"):
         check_bytes_per_step(_bytes, off)
+
+
+def _sync_finds_total(grads, n_local, world_size):
+    total = torch.tensor([float(n_local)])
+    dist.all_reduce(total)
+    for g in grads:
+        g.mul_(n_local / total.item())
+        dist.all_reduce(g)
+
+
+def _sync_guesses_total(grads, n_local, world_size):
+    for g in grads:                            # B = N · n_local: only if equal
+        g.mul_(1 / world_size)
+        dist.all_reduce(g)
+
+
+def test_uneven_total_unknown(cluster, capsys):
+    assert check_uneven_shards(cluster, _sync_finds_total, total_known=False)
+    assert "every rank holds" in capsys.readouterr().out
+    with pytest.raises(ExerciseError, match=r"plain mean of the ranks' gradients"):
+        check_uneven_shards(cluster, _sync_guesses_total, total_known=False)
+    with pytest.raises(ExerciseError, match=r"no all-reduce reached it"):
+        check_uneven_shards(cluster, lambda g, n, w: None, total_known=False)
+
+
+def _n_buckets(tensor_bytes, bucket_mb):
+    count, held = 0, None
+    for b in tensor_bytes:
+        if held is None or held >= bucket_mb * 2**20:
+            count, held = count + 1, 0
+        held += b
+    return count
+
+
+def _n_buckets_divides(tensor_bytes, bucket_mb):
+    return -(-sum(tensor_bytes) // (bucket_mb * 2**20))
+
+
+def _n_buckets_strict(tensor_bytes, bucket_mb):   # closes only above the cap
+    count, held = 0, None
+    for b in tensor_bytes:
+        if held is None or held > bucket_mb * 2**20:
+            count, held = count + 1, 0
+        held += b
+    return count
+
+
+def test_bucket_count(capsys):
+    mib = 2**20
+    model = (40, 20_480, 2_048, mib + 0, 2_048, mib, 2_048, mib)
+    measured = {(model, 1): 3, (model, 4): 1}
+    assert check_bucket_count(_n_buckets, measured)
+    assert "as DataParallel measured" in capsys.readouterr().out
+    assert not check_bucket_count(
+        lambda *a: (_ for _ in ()).throw(NotImplementedError("exercise")))
+    with pytest.raises(ExerciseError, match=r"total divided by the bucket size"):
+        check_bucket_count(_n_buckets_divides, measured)
+    with pytest.raises(ExerciseError, match=r"AT LEAST bucket_mb MiB"):
+        check_bucket_count(_n_buckets_strict)
+    with pytest.raises(ExerciseError, match=r"but DataParallel made 2"):
+        check_bucket_count(_n_buckets, {(model, 1): 2})
+    with pytest.raises(ExerciseError, match=r"return a whole number"):
+        check_bucket_count(lambda t, mb: 3.0)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.checks.common import ExerciseError
-from labkit.checks.fsdp import check_peak_share, check_zero3_hooks
+from labkit.checks.fsdp import check_min_units, check_peak_share, check_zero3_hooks
 
 pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
 
@@ -115,3 +115,32 @@ def test_peak_share_check(capsys):
         check_peak_share(lambda n, u: 0.75, measured)  # right for (4, 4) only
     with pytest.raises(ExerciseError, match=r"returned '0.75': return a number"):
         check_peak_share(lambda n, u: "0.75", measured)
+
+
+def _min_units(psi, n, budget, eb):
+    import math
+
+    room = budget - eb * psi / n
+    return None if room <= 0 else max(1, math.ceil(2 * eb * psi / room))
+
+
+def _min_units_one_unit(psi, n, budget, eb):   # forgets the prefetched unit
+    import math
+
+    room = budget - eb * psi / n
+    return None if room <= 0 else max(1, math.ceil(eb * psi / room))
+
+
+def test_min_units_check(capsys):
+    psi = 4 * (512 * 512 + 512)
+    measured = {(psi, 4, 3 * psi, 4): 4}           # shards + two of four layers
+    assert check_min_units(_min_units, measured)
+    assert "as the ledger measured" in capsys.readouterr().out
+    assert not check_min_units(
+        lambda *a: (_ for _ in ()).throw(NotImplementedError("exercise")))
+    with pytest.raises(ExerciseError, match=r"that counts one whole unit"):
+        check_min_units(_min_units_one_unit, measured)
+    with pytest.raises(ExerciseError, match=r"expected None"):
+        check_min_units(lambda *case: _min_units(*case) or 1)
+    with pytest.raises(ExerciseError, match=r"measured that peak with 5"):
+        check_min_units(_min_units, {(psi, 4, 3 * psi, 4): 5})

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.checks.common import ExerciseError
-from labkit.checks.zero import check_zero1_step, check_zero2_peak
+from labkit.checks.zero import elements_shared, check_zero1_step, check_zero2_peak
 
 
 def _zero1(rank, world_size, a, e, sgd, owner=None, skip_gather_on=None):
@@ -83,3 +83,14 @@ def test_zero2_peak(capsys):
     # a measurement the formula misses is reported as such
     with pytest.raises(ExerciseError, match=r"measured a peak of 1"):
         check_zero2_peak(_peak, {(4 * LAYER, 4, LAYER, 2): 1})
+
+
+def test_zero2_peak_names_double_buffering():
+    with pytest.raises(ExerciseError, match=r"double-buffered ZeRO-2"):
+        check_zero2_peak(lambda psi, n, b, eb: eb * (-(-psi // n) + 2 * b))
+
+
+def test_elements_shared_counts_views_of_one_buffer():
+    flat = torch.zeros(10)
+    p, other = flat[2:7], torch.zeros(4)
+    assert elements_shared(p, [flat[0:4], flat[6:10], other]) == 2 + 1

@@ -1,5 +1,6 @@
-"""Chapter 05's checks: the bucket flush of overlapped all-reduce, and averaging
-shards of different sizes."""
+"""Chapter 05's checks: the bucket flush of overlapped all-reduce, averaging
+shards of different sizes, a parameter server's bytes and how many buckets a
+step makes."""
 
 from __future__ import annotations
 
@@ -191,7 +192,7 @@ def _uneven_sizes(n: int) -> list[int]:
     return [1 + (5 * r) % 7 for r in range(n)]  # 4 ranks: 1, 6, 4, 2 examples
 
 
-def _uneven_worker(rank, world_size, sync):
+def _uneven_worker(rank, world_size, sync, total_known=True):
     from labkit.ledger import traffic
 
     sizes = _uneven_sizes(world_size)
@@ -199,24 +200,29 @@ def _uneven_worker(rank, world_size, sync):
     model(_rows_of(rank, sizes[rank])).square().mean().backward()
     grads = [p.grad for p in model.parameters()]
     with traffic() as t:
-        sync(grads, sizes[rank], sum(sizes), world_size)
+        if total_known:
+            sync(grads, sizes[rank], sum(sizes), world_size)
+        else:  # each rank knows only its own count
+            sync(grads, sizes[rank], world_size)
     reduced = any(r.op == "all_reduce" for r in t.records)
     return {n: p.grad.clone() for n, p in model.named_parameters()}, reduced
 
 
-def check_uneven_shards(cluster, sync) -> bool:
+def check_uneven_shards(cluster, sync, total_known: bool = True) -> bool:
     """Check a student's gradient sync for shards of different sizes.
 
     Rank r holds n_local examples of a global batch of n_global (4 ranks: 1, 6, 4
     and 2), and its gradients are of its own mean loss. `sync(grads, n_local,
     n_global, world_size)` must leave in each tensor of `grads`, on every rank, the
     gradient of the mean loss over the whole global batch, which the check
-    computes here in one process.
+    computes here in one process. total_known=False: the ranks are not told
+    n_global, `sync(grads, n_local, world_size)` must find it (an all-reduce of
+    the counts) before it weights.
     """
     import torch
 
     n = cluster.world_size
-    res = run_answer(cluster, _uneven_worker, sync, what="sync")
+    res = run_answer(cluster, _uneven_worker, sync, total_known, what="sync")
     if res is None:
         return NOT_YET
     sizes = _uneven_sizes(n)
@@ -251,6 +257,16 @@ def check_uneven_shards(cluster, sync) -> bool:
                        "tensor the model never sees")
             elif _close(got, local[rank][name]):
                 why = "that is this rank's own gradient: no all-reduce reached it"
+            elif not total_known and _close(got, want * sum(sizes)
+                                            / (n * sizes[rank])):
+                why = (f"that is the weighting with B = world_size × n_local = "
+                       f"{n * sizes[rank]}: the shards differ, so no rank can "
+                       "compute B from its own count; all-reduce the counts "
+                       "(a one-element tensor) to find it")
+            elif not total_known:
+                why = ("find B = the sum of every rank's n_local (an all-reduce of "
+                       "a one-element tensor), weight by n_local / B, all-reduce "
+                       "the gradients (sum), in place")
             else:
                 why = "weight by n_local / n_global, all-reduce (sum), in place"
             raise ExerciseError(f"{where}; {why}")
@@ -319,4 +335,55 @@ def check_bytes_per_step(fn, measured: dict | None = None) -> bool:
                                     f"{want[key]:,.6g}. Hint: {why}")
     print("correct: the server writes (N-1)·S, each worker S, each ring rank "
           "2(N-1)/N·S" + (", as measured in section 4" if measured else ""))
+    return PASSED
+
+
+def _bucket_count_reference(sizes, cap_bytes) -> int:
+    """DDP's rule (and DataParallel's): fill buckets in backward order, close one
+    once it holds at least cap_bytes; None: one tensor a bucket."""
+    if cap_bytes is None:
+        return len(sizes)
+    count, held = 0, None
+    for b in sizes:
+        if held is None or held >= cap_bytes:
+            count, held = count + 1, 0
+        held += b
+    return count
+
+
+def check_bucket_count(fn, measured: dict | None = None) -> bool:
+    """Check a student's `fn(tensor_bytes, bucket_mb)`: how many buckets (so how many
+    all-reduces a step) DDP's rule makes from gradients of these sizes, in the
+    order backward produces them, with buckets of bucket_mb MiB: a bucket closes
+    once it holds at least bucket_mb MiB. `measured` maps (tuple of sizes,
+    bucket_mb) to the number of buckets DataParallel made; other cases are held to
+    the rule."""
+    from labkit.checks.common import NOT_WRITTEN, call_answer
+
+    mib = 2**20
+    cases = dict(measured or {})
+    for sizes, mb in (((40, 20_480, 2_048, mib, 2_048, mib), 1),
+                      ((3 * mib, mib, mib, 5 * mib), 4), ((10, 20, 30), 1),
+                      ((mib,) * 6, 2), ((mib // 2,) * 5, 1)):
+        cases.setdefault((sizes, mb), _bucket_count_reference(sizes, mb * mib))
+    for (sizes, mb), want in cases.items():
+        got = call_answer(fn, list(sizes), mb, what="n_buckets")
+        if got is NOT_WRITTEN:
+            return NOT_YET
+        where = f"n_buckets({list(sizes)}, bucket_mb={mb})"
+        if isinstance(got, bool) or not isinstance(got, int):
+            raise ExerciseError(f"{where} returned {got!r}: return a whole number "
+                                "of buckets")
+        if got != want:
+            source = ("DataParallel made" if (sizes, mb) in (measured or {})
+                      else "DDP's rule makes")
+            why = ("a bucket closes once it holds AT LEAST bucket_mb MiB, so the "
+                   "tensor that crosses the line stays in it and the next tensor "
+                   "opens a new one")
+            if got == -(-sum(sizes) // (mb * mib)):
+                why = ("that is the total divided by the bucket size: tensors are "
+                       "never split across buckets; " + why)
+            raise ExerciseError(f"{where} = {got}, but {source} {want}. Hint: {why}")
+    print("correct: buckets fill in backward order and close at >= bucket_mb MiB"
+          + (", as DataParallel measured" if measured else ""))
     return PASSED

@@ -1,5 +1,7 @@
-"""Chapter 06's check: the ZeRO-1 step (reduce-scatter, update the own slice,
-all-gather)."""
+"""Chapter 06's checks: the ZeRO-1 step (reduce-scatter, update the own slice,
+all-gather) and ZeRO-2's peak of gradient memory; and `elements_shared`, which
+the chapter uses to read off an optimizer which elements of a parameter it
+keeps state for."""
 
 from __future__ import annotations
 
@@ -7,6 +9,17 @@ from labkit.checks.common import NOT_YET, PASSED, ExerciseError, run_answer
 
 
 ZERO1_LR, ZERO1_MOMENTUM = 0.1, 0.9  # the update the ZeRO-1 exercise hands a rank
+
+
+def elements_shared(p, tensors) -> int:
+    """How many of p's elements share storage with one of `tensors` (views of
+    one flat buffer, as ShardedOptimizer's slices and its model's parameters
+    are): the overlap of their element ranges in that storage."""
+    lo, hi = p.storage_offset(), p.storage_offset() + p.numel()
+    base = p.untyped_storage().data_ptr()
+    return sum(max(0, min(hi, t.storage_offset() + t.numel())
+                   - max(lo, t.storage_offset())) for t in tensors
+               if t.untyped_storage().data_ptr() == base)
 
 
 class SliceSGD:
@@ -173,7 +186,9 @@ def check_zero2_peak(fn, measured: dict | None = None) -> bool:
     `measured` maps (psi, n, bucket, elem_bytes) to the memory ledger's peak
     Gradient on rank 0, held exactly; other sizes are held to the closed form: the
     rank's slice of the averaged gradient, ceil(psi/n) elements, plus one bucket
-    of full gradients in flight."""
+    of full gradients in flight. The convention asked for is ShardedOptimizer's:
+    a bucket is reduced as soon as it is full and waited for (one synchronous
+    bucket); a double-buffered answer (two buckets) fails, and is named as such."""
     from labkit.checks.common import NOT_WRITTEN, call_answer
 
     cases = [(k, v) for k, v in (measured or {}).items()]
@@ -217,6 +232,11 @@ def _zero2_why(fn) -> str:
                              "too, until it is reduced"),
              eb * psi: "that is every gradient: ZeRO-2 frees each bucket once it is "
              "sent",
+             eb * (-(-psi // n) + 2 * bucket): "that is two buckets: right for a "
+             "double-buffered ZeRO-2, which fills the next bucket while one is in "
+             "flight; the exercise asks for ShardedOptimizer's, which reduces each "
+             "bucket as soon as it is full and waits for it before backward goes "
+             "on, so one bucket of full gradients at a time",
              **dict.fromkeys((eb * (psi / n + bucket), eb * (psi // n + bucket)),
                              "close: the slice is ceil(psi/n) elements (the flat "
                              "buffer is padded to n equal slices)"),

@@ -74,7 +74,9 @@ def _rows(spans) -> list[int]:
 
 
 def dp_timeline(events, *, ax=None, title: str = "", origin: float | None = None,
-                legend: bool = True, compute: str = "backward") -> Figure:
+                legend: bool = True, compute: str = "backward",
+                labels: dict | None = None, min_width: float = 0.0,
+                share_label: str = "") -> Figure:
     """One lane per rank from recorded `Span`s (a timing: varies run to run).
 
     events: rank -> list of Span (DataParallel.events, or spans recorded the same
@@ -83,7 +85,11 @@ def dp_timeline(events, *, ax=None, title: str = "", origin: float | None = None
     collective, from the moment it was issued to the moment it completed, is a
     coloured bar below, in its own sub-row wherever it overlaps another, so no bar
     hides another. The title gives the share of communication time during which
-    compute ran (`overlap_fraction`), averaged over the ranks.
+    compute ran (`overlap_fraction`), averaged over the ranks; `share_label` says
+    of what (e.g. "in this step"). labels: op -> its legend label (default: the
+    op's name). min_width: draw no compute span narrower than this fraction of
+    the time axis (0: true widths), so that spans of single operators stay
+    visible; the overlap share is computed from the true spans.
     """
     # here, not at the top: labkit.parallel imports torch, which viz otherwise need not
     from labkit.parallel.events import overlap_fraction
@@ -94,8 +100,9 @@ def dp_timeline(events, *, ax=None, title: str = "", origin: float | None = None
         origin = min((s.start for s in spans), default=0.0)
     fig, ax = _axes(ax, (8, 0.9 + 0.8 * len(ranks)))
     seen: list[str] = []
+    extent = 1e3 * (max((s.end for s in spans), default=origin) - origin)
     for lane, evs in enumerate(ranks.values()):
-        busy = [(1e3 * (s.start - origin), 1e3 * s.seconds)
+        busy = [(1e3 * (s.start - origin), max(1e3 * s.seconds, min_width * extent))
                 for s in evs if s.kind == "compute"]
         ax.broken_barh(busy, (lane - 0.42, 0.36), facecolors=COMPUTE_COLOR,
                        edgecolors="#7F7F7F", linewidth=0.5)
@@ -115,30 +122,39 @@ def dp_timeline(events, *, ax=None, title: str = "", origin: float | None = None
     ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
     ax.set_xlabel("ms since the first span began")
     head = f"{title}: " if title else ""
-    ax.set_title(f"{head}{share:.0%} of communication time under {compute} "
+    of = f" {share_label}" if share_label else ""
+    ax.set_title(f"{head}{share:.0%} of communication time under {compute}{of} "
                  "(a timing)")
     if legend:
         handles = [Patch(facecolor=COMPUTE_COLOR, edgecolor="#7F7F7F",
                          label=f"{compute} (compute)" if compute != "compute"
                          else "compute")]
         handles += [Patch(color=OP_COLORS.get(op, "black"),
-                          label=f"{op}: issued to done") for op in seen]
+                          label=f"{(labels or {}).get(op, op)}: issued to done")
+                    for op in seen]
         ax.legend(handles=handles, fontsize="small", loc="upper left",
                   bbox_to_anchor=(1.0, 1.0))
     return fig
 
 
 def dp_timelines(schemes, *, title: str = "One training step, rank by rank",
-                 compute: str = "backward") -> Figure:
+                 compute: str = "backward", labels: dict | None = None,
+                 min_width: float = 0.0, share_label: str = "",
+                 tick_labels: bool = False) -> Figure:
     """dp_timeline for each scheme (name -> rank -> spans), stacked, one time axis
-    (each panel starts at its own first span); the legend on the top panel."""
+    (each panel starts at its own first span); the legend on the top panel.
+    labels, min_width, share_label: as dp_timeline's. tick_labels: number the time
+    axis under every panel, not only the lowest."""
     n_ranks = max((len(_per_rank(v)) for v in schemes.values()), default=1)
     fig = LabFigure(figsize=(9, (0.7 + 0.6 * n_ranks) * len(schemes)),
                     layout="constrained")
     axes = fig.subplots(len(schemes), 1, sharex=True, squeeze=False)[:, 0]
     for i, (ax, (name, events)) in enumerate(zip(axes, schemes.items())):
-        dp_timeline(events, ax=ax, title=name, legend=i == 0, compute=compute)
+        dp_timeline(events, ax=ax, title=name, legend=i == 0, compute=compute,
+                    labels=labels, min_width=min_width, share_label=share_label)
         if i < len(axes) - 1:
             ax.set_xlabel("")
+            if tick_labels:
+                ax.tick_params(labelbottom=True)
     fig.suptitle(title)
     return fig

@@ -1,0 +1,63 @@
+"""PyTorch's DistributedDataParallel, recording its own timeline: chapter 05 draws
+it beside labkit's `DataParallel`, whose `.events` it fills the same way.
+
+DDP records nothing itself, so two hooks note the times without changing what
+it sends:
+
+- *backward*: from the moment the model output's gradient arrives to the end of
+  autograd's pass (a callback autograd runs when backward is over, queued before
+  DDP's own, so it fires before DDP waits for its buckets);
+- *each bucket*: from the moment DDP hands it to its communication hook to the
+  moment its future completes. The hook wraps DDP's default one,
+  `allreduce_hook` (divide by N, all-reduce), and notes the times.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from labkit.parallel.events import Span
+
+__all__ = ["RecordedDDP", "record_backward", "recording_hook"]
+
+
+def recording_hook(events: list, bucket):
+    """DDP's default communication hook (÷N, all-reduce), noting in `events` a
+    Span from the moment DDP hands the bucket over to its future's completion."""
+    t0, name = time.perf_counter(), f"all_reduce bucket {bucket.index()}"
+
+    def done(fut):  # runs when the bucket's all-reduce completes
+        events.append(Span("comm", name, t0, time.perf_counter(),
+                           bucket.buffer().nbytes))
+        return fut.value()
+    return allreduce_hook(None, bucket).then(done)
+
+
+def record_backward(events: list, output: torch.Tensor) -> torch.Tensor:
+    """Note in `events` a "backward" Span from the moment `output`'s gradient
+    arrives to the end of autograd's pass; returns `output`."""
+    def started(grad):
+        t0 = time.perf_counter()
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: events.append(Span("compute", "backward", t0,
+                                       time.perf_counter())))
+    output.register_hook(started)
+    return output
+
+
+class RecordedDDP(DistributedDataParallel):
+    """PyTorch's DDP, recording the spans of its last step in `.events`, as
+    labkit's DataParallel does (same arguments as DDP)."""
+
+    def __init__(self, module, **kwargs):
+        super().__init__(module, **kwargs)
+        self.events: list = []
+        self.register_comm_hook(self.events, recording_hook)
+
+    def forward(self, *args, **kwargs):
+        self.events.clear()  # a new step
+        return record_backward(self.events, super().forward(*args, **kwargs))
