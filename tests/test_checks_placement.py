@@ -76,3 +76,78 @@ def test_names_the_wrong_number():
     with pytest.raises(ExerciseError, match="must be a number"):
         check_placement("ZeRO-1", Z1, dict(P="400", O=204, G=400, sent=600), Z1,
                         MEASURED)
+
+
+# check_design: any placement that trains correctly, fits the budget and is
+# predicted to the byte passes; a fake `run` stands in for the four ranks
+PSI, UNIT = 1000, 10
+Z2_CKPT = Placement("Replicated", "Sharded", "Sharded", "Materialized")
+BYTES = {  # what a fake run "measures" per placement (O + 4: a step counter)
+    Z2_CKPT: dict(P=4 * PSI, O=2 * PSI + 4, G=2 * PSI, A=4 * UNIT, sent=6000, pcie=0),
+    PLACEMENTS["ZeRO-2"]: dict(P=4 * PSI, O=2 * PSI + 4, G=2 * PSI, A=7 * UNIT,
+                               sent=6000, pcie=0),
+    PLACEMENTS["ZeRO-Offload"]: dict(P=4 * PSI, O=0, G=2 * PSI, A=7 * UNIT,
+                                     sent=6000, pcie=2 * PSI),
+}
+BUDGET = dict(device=8 * PSI + 5 * UNIT, sent=6000, pcie=0)
+
+
+def fake_run(pl):
+    if pl.P != "Replicated":
+        raise ValueError("this chapter runs P Replicated only")
+    return BYTES[pl]
+
+
+def answer(pl, **changes):
+    return lambda: (pl, {**BYTES.get(pl, BYTES[Z2_CKPT]), **changes})
+
+
+def test_design_that_fits_and_is_predicted_passes(capsys):
+    from labkit.checks.placement import check_design
+    assert check_design("budget", answer(Z2_CKPT), BUDGET, fake_run)
+    assert "fits (8,044 of 8,050 bytes on the device)" in capsys.readouterr().out
+
+
+def test_design_over_the_budget_fails():
+    from labkit.checks.placement import check_design
+    with pytest.raises(ExerciseError, match=r"holds 8,074 bytes on the device \(P "
+                       r"4,000, O 2,004, G 2,000, A 70\); the budget allows 8,050"):
+        check_design("budget", answer(PLACEMENTS["ZeRO-2"]), BUDGET, fake_run)
+    with pytest.raises(ExerciseError, match=r"moves 2,000 bytes over PCIe per "
+                       r"step; the budget allows 0"):
+        check_design("budget", answer(PLACEMENTS["ZeRO-Offload"]), BUDGET, fake_run)
+
+
+def test_design_wrong_prediction_fails():
+    from labkit.checks.placement import check_design
+    with pytest.raises(ExerciseError, match=r"predicted 70 bytes of activations "
+                       r"\(A\); the ledgers measured 40 .*to the byte"):
+        check_design("budget", answer(Z2_CKPT, A=7 * UNIT), BUDGET, fake_run)
+    with pytest.raises(ExerciseError, match=r"predicted 2,000 bytes of optimizer "
+                       r"state \(O\); the ledgers measured 2,004 \(-4 bytes"):
+        check_design("budget", answer(Z2_CKPT, O=2 * PSI), BUDGET, fake_run)
+
+
+def test_design_that_trains_wrong_or_cannot_run_fails():
+    from labkit.checks.placement import check_design
+    no_gather = Placement("Replicated", "Sharded", "Sharded", "Materialized",
+                          param_sync=None)
+    with pytest.raises(ExerciseError, match="does not train what one process "
+                       "trains: state consistency"):
+        check_design("budget", answer(no_gather), BUDGET, fake_run)
+    with pytest.raises(ExerciseError, match="P Replicated only"):
+        check_design("budget", answer(PLACEMENTS["ZeRO-3"]), BUDGET, fake_run)
+    with pytest.raises(ExerciseError, match=r"A \(activations\) must be Replicated"):
+        check_design("budget", answer(Z2_CKPT), BUDGET, fake_run,
+                     fixed={"A": "Replicated"})
+    with pytest.raises(ExerciseError, match="predict the bytes as a dict with keys "
+                       "P, O, G, A, sent, pcie"):
+        check_design("budget", lambda: (Z2_CKPT, dict(P=1)), BUDGET, fake_run)
+
+
+def test_design_not_written_yet():
+    from labkit.checks.placement import check_design
+
+    def stub():
+        raise NotImplementedError("exercise")
+    assert not check_design("budget", stub, BUDGET, fake_run)

@@ -2,6 +2,7 @@
 say "not written yet" for a stub, and name the rank, element and likely mistake of
 wrong ones; an exception or a hang on one rank is reported in seconds."""
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -181,3 +182,44 @@ def test_conjugate_operators_check(cluster, capsys):
                                   lambda x, gr: _FIdentityBackward.apply(x, gr), _g)
     with pytest.raises(ExerciseError, match=r"rank 0: x got no gradient"):
         check_conjugate_operators(cluster, _f_detached, _g)
+
+
+# -- exercise 4: the t at which the whole activations outweigh the split ones -------
+
+SBH, SB, BAS = 64 * 4 * 64, 64 * 4, 4 * 8 * 64      # chapter 09's block
+WHOLE = 4 * (5 * SBH + 4 * SB)
+
+
+def _activation_bytes(t):
+    return WHOLE + 4 * (12 * SBH + BAS) // t
+
+
+def _check_t(t):
+    from labkit.checks.tensor_parallel import check_whole_over_half
+    return check_whole_over_half("t", t, heads=8, ffn=256, whole=WHOLE,
+                                 activation_bytes=_activation_bytes)
+
+
+def test_whole_over_half_passes_the_divisor_of_the_heads(capsys):
+    assert _check_t(4)
+    assert "t = 3 would satisfy the inequality but cannot split 8 heads" in (
+        capsys.readouterr().out)
+
+
+def test_whole_over_half_rejects_a_t_that_cannot_split_the_heads():
+    # 3 is the smallest t of the inequality alone: 8 heads do not split in 3
+    with pytest.raises(ExerciseError, match=r"t = 3 cannot split the model: 8 "
+                       r"attention heads .* leave 2.66667 heads .* t must divide 8"):
+        _check_t(3)
+
+
+def test_whole_over_half_names_too_small_and_too_large():
+    with pytest.raises(ExerciseError, match=r"at t = 2 the whole activations are "
+                       r"\d+% of a rank's, not more than half yet"):
+        _check_t(2)
+    with pytest.raises(ExerciseError, match=r"already at t = 4"):
+        _check_t(8)
+    with pytest.raises(ExerciseError, match="whole number of ranks"):
+        _check_t(2.5)
+    assert _check_t(4.0) and _check_t(np.int64(4))     # the same t
+    assert not _check_t(None)

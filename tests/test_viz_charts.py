@@ -35,6 +35,15 @@ def test_memory_by_rank_stacks_categories_and_draws_expectations():
     assert [t.get_text() for t in ax.get_xticklabels()] == ["rank 0", "rank 1"]
 
 
+def test_memory_by_rank_colours_parts_that_are_not_categories():
+    split = {"Parameter": MiB, "Activation, whole": MiB, "Activation, split": MiB}
+    fig = viz.memory_by_rank([split], colors={"Activation, split": "#ff0000"})
+    got = {c.get_label(): c.patches[0].get_facecolor()[:3]
+           for c in fig.axes[0].containers}
+    assert got["Activation, split"] == (1.0, 0.0, 0.0)
+    assert got["Parameter"] == (0x4C / 255, 0x72 / 255, 0xB0 / 255)  # its own
+
+
 def test_traffic_by_rank_puts_wire_next_to_model():
     ledgers = {0: [_rec("all_reduce", 3 * MiB, 3 * MiB, 0, 1),
                    _rec("broadcast", 2 * MiB, 1 * MiB, 1, 1)],

@@ -1,8 +1,10 @@
 """Chapter 08's checks: place a strategy (P, O, G, A and its collectives) and
-predict its bytes; the check says which state, which collective or which number
-is wrong."""
+predict its bytes, or design one that fits a budget; the check says which state,
+which collective, which number or which limit is wrong."""
 
 from __future__ import annotations
+
+import numbers
 
 from labkit.checks.common import (
     NOT_WRITTEN,
@@ -15,6 +17,8 @@ from labkit.theory.placement import Placement
 
 STATES = {"P": "parameters", "O": "optimizer state", "G": "gradients",
           "A": "activations"}
+LABELS = {"sent": "bytes sent per step", "pcie": "bytes over PCIe per step"}
+DESIGN_KEYS = ("P", "O", "G", "A", "sent", "pcie")
 
 
 def _compare_placement(what: str, yours, want: Placement) -> None:
@@ -33,6 +37,27 @@ def _compare_placement(what: str, yours, want: Placement) -> None:
             raise ExerciseError(
                 f"{what}: the {label} are synchronised by {need or 'nothing'} in "
                 f"this strategy, not by {got or 'nothing'} (set {sync}=)")
+
+
+def _compare_bytes(what: str, predicted: dict, measured: dict, rel: float,
+                   exact) -> None:
+    for key, got in measured.items():
+        guess = predicted[key]
+        if isinstance(guess, bool) or not isinstance(guess, numbers.Real):
+            raise ExerciseError(f"{what}: {key} must be a number, got {guess!r}")
+        tol = 0 if key in exact else rel * max(abs(got), 1)
+        if abs(guess - got) > tol:
+            label = (f"bytes of {STATES[key]}" if key in STATES
+                     else LABELS.get(key, "bytes sent per step"))
+            off = guess - got
+            why = (f"{off:+,.0f} bytes: count every small tensor too (a step "
+                   "counter is 4 bytes)" if abs(off) <= 64
+                   else f"{guess / max(got, 1):.3g}×" if got
+                   else f"{off:+,.0f} bytes")
+            within = "to the byte" if key in exact else f"within {rel:.0%}"
+            raise ExerciseError(
+                f"{what}: you predicted {guess:,.0f} {label} ({key}); the ledgers "
+                f"measured {got:,.0f} ({why}); it must match {within}")
 
 
 def check_placement(what: str, yours, predicted, want: Placement, measured: dict,
@@ -66,22 +91,67 @@ def check_placement(what: str, yours, predicted, want: Placement, measured: dict
         print(f"{what}: the placement is right; now predict "
               f"{', '.join(k for k in measured)} in bytes")
         return NOT_YET
-    for key, got in measured.items():
-        guess = predicted[key]
-        if isinstance(guess, bool) or not isinstance(guess, (int, float)):
-            raise ExerciseError(f"{what}: {key} must be a number, got {guess!r}")
-        tol = 0 if key in exact else rel * max(abs(got), 1)
-        if abs(guess - got) > tol:
-            label = (f"bytes of {STATES[key]}" if key in STATES
-                     else "bytes sent per step")
-            off = guess - got
-            why = (f"{off:+,.0f} bytes: count every small tensor too (a step "
-                   "counter is 4 bytes)" if abs(off) <= 64
-                   else f"{guess / max(got, 1):.3g}×")
-            within = "to the byte" if key in exact else f"within {rel:.0%}"
-            raise ExerciseError(
-                f"{what}: you predicted {guess:,.0f} {label} ({key}); the ledgers "
-                f"measured {got:,.0f} ({why}); it must match {within}")
+    _compare_bytes(what, predicted, measured, rel, exact)
     print(f"{what}: placement and bytes right "
           f"({', '.join(f'{k} {measured[k]:,.0f}' for k in measured)})")
+    return PASSED
+
+
+def check_design(what: str, yours, budget: dict, run, *, fixed: dict | None = None,
+                 rel: float = 0.01) -> bool:
+    """A placement designed to fit a budget, and its bytes predicted.
+
+    `yours`: the student's function returning (Placement, predicted), predicted a
+    dict with DESIGN_KEYS: "P", "O", "G", "A" the bytes one rank holds on the
+    device (P and O after the step, G at its peak, A when forward ends), "sent"
+    the bytes it sends per step and "pcie" the bytes it moves to or from host
+    memory per step. `budget`: the most "device" (P + O + G + A), "sent" and
+    "pcie" may be (a missing or None limit: none); sent gets `rel` more, for
+    gloo's headers. `fixed`: states whose mode is prescribed, e.g. {"A":
+    "Replicated"}. `run(placement)` runs it on the ranks and returns the
+    measured dict (same keys); it raises ValueError for a placement it cannot
+    run, and the message is passed on. Any placement that trains correctly, fits
+    and is predicted right passes: held bytes and pcie to the byte, sent within
+    `rel`."""
+    answer = call_answer(yours, what=f"{what} answer")
+    if answer is NOT_WRITTEN:
+        return NOT_YET
+    if not (isinstance(answer, tuple) and len(answer) == 2):
+        raise ExerciseError(f"{what}: return a pair (Placement(...), dict of "
+                            f"predicted bytes), not {answer!r}")
+    pl, predicted = answer
+    if not isinstance(pl, Placement):
+        raise ExerciseError(f"{what}: expected a labkit.theory.Placement, got {pl!r}")
+    for s, mode in (fixed or {}).items():
+        if getattr(pl, s) != mode:
+            raise ExerciseError(f"{what}: {s} ({STATES[s]}) must be {mode} here, "
+                                f"not {getattr(pl, s)}")
+    verdict = pl.check()
+    if not verdict.ok:
+        raise ExerciseError(f"{what}: this placement does not train what one "
+                            f"process trains: {'; '.join(verdict.problems)}")
+    if not isinstance(predicted, dict) or set(predicted) != set(DESIGN_KEYS):
+        raise ExerciseError(f"{what}: predict the bytes as a dict with keys "
+                            f"{', '.join(DESIGN_KEYS)}, not {predicted!r}")
+    try:
+        measured = run(pl)
+    except ValueError as e:
+        raise ExerciseError(f"{what}: {e}") from None
+    device = sum(measured[s] for s in "POGA")
+    held = ", ".join(f"{s} {measured[s]:,.0f}" for s in "POGA")
+    for key, got, slack in (("device", device, 0), ("sent", measured["sent"], rel),
+                            ("pcie", measured["pcie"], 0)):
+        limit = budget.get(key)
+        if limit is not None and got > limit * (1 + slack):
+            extra = f" ({held})" if key == "device" else ""
+            amount = (f"holds {got:,.0f} bytes on the device{extra}" if key ==
+                      "device" else f"moves {got:,.0f} {LABELS[key]}")
+            raise ExerciseError(
+                f"{what}: measured on the ranks, your placement {amount}; the "
+                f"budget allows {limit:,.0f}: which state could live elsewhere?")
+    _compare_bytes(what, predicted, {k: measured[k] for k in DESIGN_KEYS}, rel,
+                   exact=("P", "O", "G", "A", "pcie"))
+    print(f"{what}: fits ({device:,.0f} of {budget['device']:,.0f} bytes on the "
+          f"device) and your bytes are right ({held}, sent {measured['sent']:,.0f},"
+          f" PCIe {measured['pcie']:,.0f})")
     return PASSED

@@ -1,12 +1,14 @@
-"""Chapter 09's checks: a row-parallel layer's forward, and f and g as autograd
-Functions. Each runs the answer on the ranks (common.run_answer: an exception is
-told by rank and line, a deadlock in seconds) and compares it with one process's
-nn.Linear or MLP, naming the rank, the tensor, the element and the likely
-mistake."""
+"""Chapter 09's checks: a row-parallel layer's forward, f and g as autograd
+Functions, and the tensor-parallel degree at which the activations that stay
+whole outweigh the split ones (a t that splits the heads). The first two run the
+answer on the ranks (common.run_answer: an exception is told by rank and line,
+a deadlock in seconds) and compare it with one process's nn.Linear or MLP,
+naming the rank, the tensor, the element and the likely mistake."""
 
 from __future__ import annotations
 
 import copy
+import numbers
 
 from labkit.checks.common import (
     NOT_YET,
@@ -288,3 +290,44 @@ def _fg_message(rank, what, got, want, exact, t, hint) -> str:
         scale = f" (it is {t}x the right value everywhere)"
     return (f"rank {rank}, {what}, element {i}: got {a:.6g}, expected {b:.6g}"
             f"{scale}. {hint}")
+
+
+def check_whole_over_half(what: str, t, *, heads: int, ffn: int, whole: float,
+                          activation_bytes) -> bool:
+    """The smallest tensor-parallel degree t at which the activations every rank
+    holds whole (`whole` bytes) are more than half of a rank's activations,
+    `activation_bytes(t)`, among the t that split the model: t must divide the
+    attention heads (each rank computes whole heads) and the MLP's `ffn`
+    features. None: not answered yet."""
+    if t is None:
+        print(f"{what}: not answered yet (replace None with your t)")
+        return NOT_YET
+    if isinstance(t, bool) or not isinstance(t, numbers.Real) or t < 1 or \
+            not float(t).is_integer():      # 4, 4.0 and numpy's 4 are all 4
+        raise ExerciseError(f"{what}: t is a whole number of ranks >= 1, not {t!r}")
+    t = int(t)
+    if heads % t or ffn % t:
+        raise ExerciseError(
+            f"{what}: t = {t} cannot split the model: {heads} attention heads "
+            f"and {ffn} MLP features over {t} ranks leave "
+            f"{heads / t:g} heads and {ffn / t:g} features a rank; each rank "
+            f"computes whole heads, so t must divide {heads} (and {ffn})")
+    fits = [d for d in range(1, heads + 1) if heads % d == 0 and ffn % d == 0]
+    want = next((d for d in fits if 2 * whole > activation_bytes(d)), None)
+    if want is None:
+        raise ExerciseError(f"{what}: no t that splits {heads} heads qualifies; "
+                            "the exercise expects one")
+    if t != want:
+        share = whole / activation_bytes(t)
+        why = ("not more than half yet" if t < want else
+               f"but already at t = {want}, a smaller divisor of {heads}")
+        raise ExerciseError(
+            f"{what}: at t = {t} the whole activations are {share:.0%} of a "
+            f"rank's, {why}; among the t that divide {heads} heads the answer is "
+            f"{'larger' if t < want else 'smaller'}")
+    skipped = [d for d in range(1, want) if 2 * whole > activation_bytes(d)]
+    note = (f"; t = {', '.join(map(str, skipped))} would satisfy the inequality "
+            f"but cannot split {heads} heads" if skipped else "")
+    print(f"{what}: right, t = {t}: {whole / activation_bytes(t):.0%} of a rank's "
+          f"activations stay whole{note}")
+    return PASSED

@@ -21,13 +21,16 @@ from labkit.viz.style import (
 
 
 def memory_by_rank(per_rank, expected=None, *, ax=None, unit: float = MiB,
-                   unit_name: str = "MiB", title: str = "Memory by rank") -> Figure:
+                   unit_name: str = "MiB", title: str = "Memory by rank",
+                   colors: Mapping | None = None) -> Figure:
     """Stacked bars of bytes by category, one bar per rank.
 
     per_rank: rank -> {category: bytes} (a dict, or a list indexed by rank; a
     MemoryLedger's `current` or `at_peak` is such a dict); a key that is not an int
     labels its bar as it is (e.g. "fp32", "batch 8"). expected: bytes per bar (one
-    number for all, or one per key), drawn as a line over each bar.
+    number for all, or one per key), drawn as a line over each bar. colors:
+    part -> colour, for parts that are not the ledger's categories (e.g. one
+    category split in two); the categories keep theirs unless named here.
     """
     ranks = _per_rank(per_rank)
     ranks = {r: getattr(v, "current", v) for r, v in ranks.items()}
@@ -40,7 +43,7 @@ def memory_by_rank(per_rank, expected=None, *, ax=None, unit: float = MiB,
     for cat in cats:
         heights = [ranks[r].get(cat, 0) / unit for r in ranks]
         ax.bar(xs, heights, bottom=bottom, label=cat, width=0.6,
-               color=CATEGORY_COLORS.get(cat))
+               color=(colors or {}).get(cat, CATEGORY_COLORS.get(cat)))
         bottom = [b + h for b, h in zip(bottom, heights)]
     if expected is not None:
         exp = _per_rank(expected) if isinstance(expected, (Mapping, Sequence)) else {
