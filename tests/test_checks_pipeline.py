@@ -138,6 +138,21 @@ def _as_tensor(schedule, p, m, stage):
     return torch.tensor(_right(schedule, p, m, stage))
 
 
+def _as_float(schedule, p, m, stage):
+    return float(_right(schedule, p, m, stage))
+
+
+def _as_numpy(schedule, p, m, stage):
+    import numpy as np
+
+    return np.int64(_right(schedule, p, m, stage))
+
+
+def _as_bool(schedule, p, m, stage):  # True where the answer is 1: == 1, not a count
+    right = _right(schedule, p, m, stage)
+    return True if right == 1 else right
+
+
 def _one_schedule(schedule, p, m, stage):
     return {"gpipe": m}[schedule]
 
@@ -161,11 +176,22 @@ def test_in_flight_check(cluster, capsys):
     with pytest.raises(ExerciseError, match=r"1f1b, p=4, m=2, stage 3: you predicted "
                        r"2, the rank held 1 at its peak. Hint: stage s runs p-1-s"):
         check_in_flight(cluster, _first_stage_only)
-    with pytest.raises(ExerciseError, match=r"gpipe, p=4, m=2, stage 0: expected a "
-                       r"whole number of micro-batches \(an int\), got 2.0"):
+    # any real number equal to the count passes: 4.0, a numpy integer
+    assert check_in_flight(cluster, _as_float)
+    assert check_in_flight(cluster, _as_numpy)
+    assert "correct" in capsys.readouterr().out
+    with pytest.raises(ExerciseError, match=r"1f1b, p=4, m=2, stage 3: you predicted "
+                       r"2.0, the rank held 1 at its peak"):
         check_in_flight(cluster, lambda s, p, m, stage: float(m))
+    with pytest.raises(ExerciseError, match=r"gpipe, p=4, m=2, stage 0: you predicted "
+                       r"2.5, the rank held 2"):
+        check_in_flight(cluster, lambda s, p, m, stage: m + 0.5)
+    with pytest.raises(ExerciseError, match=r"1f1b, p=4, m=2, stage 3: expected a "
+                       r"number of micro-batches \(such as 4 or 4.0\), got True "
+                       r"\(bool\)"):
+        check_in_flight(cluster, _as_bool)
     with pytest.raises(ExerciseError, match=r"gpipe, p=4, m=2, stage 0: expected a "
-                       r"whole number .*got tensor\(2\) \(Tensor\)"):
+                       r"number .*got tensor\(2\) \(Tensor\)"):
         check_in_flight(cluster, _as_tensor)
     with pytest.raises(ExerciseError) as err:
         check_in_flight(cluster, _one_schedule)

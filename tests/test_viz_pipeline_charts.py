@@ -183,3 +183,34 @@ def test_charts_take_an_ax():
     ax = fig.add_subplot()
     assert pipeline_timeline(_events(), ax=ax) is fig
     assert schedule_timeline(simulate_schedule("gpipe", 2, 2), ax=ax) is fig
+
+
+def test_bubble_vs_m_dodges_points_that_share_an_m():
+    ms = [1, 2, 4]
+    curves = {"closed form": (ms, [0.5, 1 / 3, 0.2])}
+    points = {"GPipe": (ms, [0.52, 0.35, 0.26]), "1F1B": ([4], [0.26])}
+    ax = bubble_vs_m(curves, points).axes[0]  # default: every marker at its m
+    xs = {ln.get_gid(): list(ln.get_xdata()) for ln in ax.lines}
+    assert xs["points:GPipe"] == ms and xs["points:1F1B"] == [4]
+    fig = bubble_vs_m(curves, points, dodge=True)
+    ax = fig.axes[0]
+    xs = {ln.get_gid(): list(ln.get_xdata()) for ln in ax.lines}
+    sizes = {ln.get_gid(): ln.get_markersize() for ln in ax.lines}
+    assert xs["points:GPipe"][:2] == [1, 2]  # alone at its m: not moved
+    assert xs["points:GPipe"][2] < 4 < xs["points:1F1B"][0] < 4.5  # side by side
+    assert sizes["points:GPipe"] > sizes["points:1F1B"]
+    assert xs["line:closed form"] == ms  # lines stay where they are
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4"]
+    _inside(fig)
+
+
+def test_stacked_timelines_with_the_legend_below():
+    sims = {"interleaved": simulate_schedule("interleaved", 4, 8, 2)}
+    fig = schedule_timelines(sims, lane=0.6, legend="below", label_size=8)
+    ax = fig.axes[0]
+    assert _legend(ax)[0] == "forward (F), chunk 0"
+    sizes = {t.get_fontsize() for t in ax.texts}
+    assert sizes == {8}
+    _inside(fig)  # draws it
+    r = fig.canvas.get_renderer()
+    assert ax.get_legend().get_window_extent(r).y1 < ax.get_window_extent(r).y0

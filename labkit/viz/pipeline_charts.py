@@ -50,9 +50,11 @@ def _gaps(bars, lo: float, hi: float) -> list[tuple[float, float]]:
 
 
 def _draw(ax, lanes: dict, comm: dict, window: tuple[float, float], v: int = 1,
-          legend: bool = True, names: dict | None = None) -> None:
+          legend: bool | str = True, names: dict | None = None,
+          label_size: float = 7) -> None:
     """lanes: rank -> [(start, end, kind, microbatch, chunk)] compute passes;
-    comm: rank -> [(start, end, kind)]; idle = `window` minus the passes."""
+    comm: rank -> [(start, end, kind)]; idle = `window` minus the passes.
+    legend: True (beside the axes), "below" (under them, in columns) or False."""
     names = {**PIPE_LABELS, **(names or {})}
     span = max(window[1] - window[0], 1e-12)
     drawn: list[tuple[str, int]] = []
@@ -79,7 +81,8 @@ def _draw(ax, lanes: dict, comm: dict, window: tuple[float, float], v: int = 1,
             for a, b, mb in items:  # the micro-batch number, where it fits
                 if (b - a) / span >= 0.012:
                     ax.text((a + b) / 2, top + height / 2, str(mb), ha="center",
-                            va="center", fontsize=7, color=_ink(rgb), clip_on=True)
+                            va="center", fontsize=label_size, color=_ink(rgb),
+                            clip_on=True)
         by_kind: dict[str, list] = {}
         for a, b, kind in comm.get(rank, []):
             by_kind.setdefault(kind, []).append((a, max(b - a, span * 0.002)))
@@ -109,8 +112,13 @@ def _draw(ax, lanes: dict, comm: dict, window: tuple[float, float], v: int = 1,
                 handles.append(Patch(facecolor=_shade(PIPE_COLORS[kind], chunk, v),
                                      edgecolor=_IDLE_EDGE if hatch else "none",
                                      hatch=hatch, label=label))
-        ax.legend(handles=handles, fontsize="small", loc="upper left",
-                  bbox_to_anchor=(1.0, 1.0))
+        if legend == "below":
+            ax.legend(handles=handles, fontsize="small", loc="upper center",
+                      bbox_to_anchor=(0.5, -0.14), ncol=min(len(handles), 3),
+                      frameon=False)
+        else:
+            ax.legend(handles=handles, fontsize="small", loc="upper left",
+                      bbox_to_anchor=(1.0, 1.0))
 
 
 def _span_kind(span) -> tuple[str, int]:
@@ -173,17 +181,20 @@ def pipeline_timelines(runs: dict, *, title: str = "") -> Figure:
     return fig
 
 
-def schedule_timeline(sim, *, ax=None, title: str = "", legend: bool = True,
-                      unit: str = "one stage's forward") -> Figure:
+def schedule_timeline(sim, *, ax=None, title: str = "", legend: bool | str = True,
+                      unit: str = "one stage's forward", label_size: float = 7
+                      ) -> Figure:
     """One lane per stage from the schedule simulator (`simulate_schedule`): F, B
     and (zero-bubble) W passes placed in time, micro-batch numbers on them, idle
-    hatched; with v chunks per stage each chunk a lighter shade."""
+    hatched; with v chunks per stage each chunk a lighter shade. legend: beside
+    the axes (True), "below" them (the lanes get the page's width) or False."""
     lanes = {r: [(o.start, o.end, _KINDS[o.kind], o.microbatch, o.chunk)
                  for o in ops] for r, ops in sorted(sim.ops.items())}
     fig, ax = _axes(ax, (9, 0.9 + 0.6 * len(lanes)))
     names = ({"backward": "input gradient (B)"} if any(
         o.kind == "W" for ops in sim.ops.values() for o in ops) else None)
-    _draw(ax, lanes, {}, (0.0, sim.makespan), v=sim.v, legend=legend, names=names)
+    _draw(ax, lanes, {}, (0.0, sim.makespan), v=sim.v, legend=legend, names=names,
+          label_size=label_size)
     v = f", v={sim.v}" if sim.v > 1 else ""
     head = title or f"{sim.schedule}, p={sim.p}, m={sim.m}{v}"
     ax.set_title(f"{head}: idle {sim.bubble_fraction:.1%} of the step "
@@ -192,14 +203,19 @@ def schedule_timeline(sim, *, ax=None, title: str = "", legend: bool = True,
     return fig
 
 
-def schedule_timelines(sims: dict, *, title: str = "") -> Figure:
+def schedule_timelines(sims: dict, *, title: str = "", lane: float = 0.42,
+                       legend: bool | str = True, label_size: float = 7) -> Figure:
     """schedule_timeline for each simulation (name -> Simulation), stacked on one
-    time axis; the legend of each panel beside it."""
+    time axis; the legend of each panel beside it (or "below" it, which leaves
+    the lanes the page's width). lane: inches of height per stage."""
     n = sum(len(s.ops) for s in sims.values())
-    fig = LabFigure(figsize=(10, 0.8 * len(sims) + 0.42 * n), layout="constrained")
+    below = 0.5 if legend == "below" else 0.0
+    fig = LabFigure(figsize=(10, (0.8 + below) * len(sims) + lane * n),
+                    layout="constrained")
     axes = fig.subplots(len(sims), 1, sharex=True, squeeze=False)[:, 0]
     for ax, (name, sim) in zip(axes, sims.items()):
-        schedule_timeline(sim, ax=ax, title=name)
+        schedule_timeline(sim, ax=ax, title=name, legend=legend,
+                          label_size=label_size)
         ax.set_xlabel("")
     longest = max(s.makespan for s in sims.values())  # shared x: fit the longest
     axes[0].set_xlim(-0.01 * longest, 1.01 * longest)
@@ -211,10 +227,14 @@ def schedule_timelines(sims: dict, *, title: str = "") -> Figure:
 
 def bubble_vs_m(curves: dict, points: dict | None = None, *, ax=None,
                 title: str = "Pipeline bubble against micro-batches",
-                ylabel: str = "idle share of the step") -> Figure:
+                ylabel: str = "idle share of the step", dodge: bool = False
+                ) -> Figure:
     """Lines: name -> (ms, values), closed forms; markers: name -> (ms, values),
     simulated or measured, in the colour of the line of the same name (if any),
-    each series its own marker shape (hollow, so coinciding points both show)."""
+    each series its own marker shape (hollow, so coinciding points both show).
+    dodge: where several marker series share an m, draw them side by side (a
+    small step along m) and each a size smaller, so that two values that
+    coincide both show; off, every marker sits exactly at its m (on its line)."""
     palette = ("#4C72B0", "#55A868", "#C44E52", "#8172B3", "#DD8452", "#937860")
     fig, ax = _axes(ax, (6.5, 3.6))
     colors: dict[str, str] = {}
@@ -224,17 +244,25 @@ def bubble_vs_m(curves: dict, points: dict | None = None, *, ax=None,
         ax.plot(ms, ys, color=colors[name], lw=1.5, gid=f"line:{name}")
         handles.append(Line2D([], [], color=colors[name], lw=1.5, label=name))
     shapes = ("o", "s", "^", "D", "v")  # two series on one point stay visible
+    sharing: dict = {}  # m -> the series with a marker there, in order
+    for name, (ms, _) in (points or {}).items():
+        for m in ms:
+            sharing.setdefault(m, []).append(name)
     for i, (name, (ms, ys)) in enumerate((points or {}).items()):
         c = colors.get(name, palette[(len(curves) + i) % len(palette)])
-        mark = shapes[i % len(shapes)]
-        ax.plot(ms, ys, ls="none", marker=mark, mfc="none", mec=c, ms=7,
+        mark, size = shapes[i % len(shapes)], 7.0
+        if dodge:  # side by side where m is shared: 2^(+-0.06), a step on log2 m
+            ms = [m * 2 ** (0.12 * (sharing[m].index(name)
+                                    - (len(sharing[m]) - 1) / 2)) for m in ms]
+            size = max(4.0, 8.0 - 1.5 * i)
+        ax.plot(ms, ys, ls="none", marker=mark, mfc="none", mec=c, ms=size,
                 gid=f"points:{name}")
         handles.append(Line2D([], [], ls="none", marker=mark, mfc="none", mec=c,
-                              label=f"{name} (simulated)" if name in curves
-                              else name))
+                              ms=size, label=f"{name} (simulated)" if name in
+                              curves else name))
     ax.set_xscale("log", base=2)
     ticks = sorted({m for _, (ms, _) in [*curves.items(), *(points or {}).items()]
-                    for m in ms})
+                    for m in ms})  # the m given, not the dodged positions
     ax.set_xticks(ticks, [str(m) for m in ticks])
     ax.minorticks_off()
     ax.set_xlabel("micro-batches m")
