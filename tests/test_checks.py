@@ -183,6 +183,18 @@ def test_check_answer(capsys):
         checks.check_answer("x", 4, 3, hint="think")
     with pytest.raises(checks.ExerciseError, match="number"):
         checks.check_answer("x", "3", 3)
+    # numpy's numbers are numbers (a student's np.int64 from an array); a bool
+    # or a tensor is not an answer
+    import numpy as np
+    import torch
+
+    checks.check_answer("x", np.int64(3), 3)
+    checks.check_answer("x", np.float32(3.0), 3)
+    assert capsys.readouterr().out == "x: 3 is right\nx: 3 is right\n"
+    with pytest.raises(checks.ExerciseError, match="number"):
+        checks.check_answer("x", True, 1)
+    with pytest.raises(checks.ExerciseError, match="number"):
+        checks.check_answer("x", torch.tensor(3), 3)
     # bytes as bytes, whole numbers whole: never 3.52322e+08
     checks.check_answer("bytes per GPU per layer", 352_321_536.0, 352_321_536)
     assert capsys.readouterr().out == ("bytes per GPU per layer: 352,321,536 B "

@@ -16,6 +16,7 @@ says so and returns without failing the notebook.
 
 from __future__ import annotations
 
+import numbers
 import traceback
 
 from labkit.checks.explain import (
@@ -157,8 +158,10 @@ def check_answer(what: str, yours, expected, hint: str = "", rel: float = 1e-9) 
     if yours is None:
         print(f"{what}: not answered yet (replace None with your answer)")
         return
-    if isinstance(yours, bool) or not isinstance(yours, (int, float)):
+    if isinstance(yours, bool) or not isinstance(yours, numbers.Real):
         raise ExerciseError(f"{what}: expected a number, got {yours!r}")
+    # int and float, and numpy's numbers as Python's (np.int64(4) is 4)
+    yours = int(yours) if isinstance(yours, numbers.Integral) else float(yours)
     if abs(yours - expected) > rel * max(abs(expected), 1e-300):
         msg = f"{what}: {_number(yours, what)} is not right"
         raise ExerciseError(msg + (f". Hint: {hint}" if hint else ""))
