@@ -123,3 +123,41 @@ def test_llama3_mfu_reproduced():
     c = M["llama3-405b"]
     want = theory.layouts.flops_per_token(c, 8192) * 2048 * 8192 / 16384 / 989e12
     assert est.model_time == pytest.approx(want)
+
+
+@pytest.mark.parametrize("p, m, v, held", [
+    (16, 64, 1, 16),      # 1F1B: min(p, m)
+    (16, 8, 1, 8),
+    (16, 64, 2, 23.5),    # interleaved: p + (p-1)/v
+    (4, 8, 2, 5.5),       # chapter 10's measured 5.5 micro-batches
+    (16, 64, 4, 16 + 15 / 4),
+    (16, 16, 2, 16),      # m = p: every forward first, m held (Megatron-LM)
+    (4, 5, 2, 5),         # fewer than p + (p-1)/v micro-batches: all of them
+])
+def test_activations_held_by_schedule(p, m, v, held):
+    from labkit.theory._layout_time import activations_held
+
+    assert activations_held(Layout(pp=p, microbatches=m, interleave=v)) == held
+
+
+def test_activations_held_counts_megatron_interleaved_warmup():
+    # Megatron-LM's first stage runs 2(p-1) + (v-1)p chunk forwards, then one
+    # more before its first backward: v p + p - 1 chunks of 1/v of the stage
+    from labkit.theory._layout_time import activations_held
+
+    for p in (2, 4, 8, 16):
+        for v in (2, 3, 4):
+            chunks = min(2 * (p - 1) + (v - 1) * p + 1, v * 4 * p)
+            lay = Layout(pp=p, microbatches=4 * p, interleave=v)
+            assert activations_held(lay) == pytest.approx(chunks / v)
+
+
+def test_interleaving_holds_more_activations():
+    run = PUBLISHED_RUNS["gpt3-175b"]
+    one = estimate(M[run.model], dataclasses.replace(run.layout, interleave=1),
+                   run.cluster, run.global_batch_tokens, run.seq)
+    two = estimate(M[run.model], dataclasses.replace(run.layout, interleave=2),
+                   run.cluster, run.global_batch_tokens, run.seq)
+    # p = 12, m = 96: 12 + 11/2 = 17.5 where 1F1B holds 12
+    assert two.memory["activations"] == pytest.approx(
+        one.memory["activations"] * 17.5 / 12)

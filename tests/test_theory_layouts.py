@@ -22,8 +22,7 @@ M = theory.MODELS
 
 @pytest.fixture(scope="module")
 def ranked():
-    return {k: choose(r.model, r.cluster, r.global_batch_tokens, r.seq)
-            for k, r in PUBLISHED_RUNS.items()}
+    return {k: r.choose() for k, r in PUBLISHED_RUNS.items()}
 
 
 def test_layout_gpus_and_str():
@@ -157,7 +156,8 @@ def test_reasons_name_the_published_placement():
     assert any(s.startswith("its matrix products run at 80% of the 989 TFLOPS") and
                s.endswith(f"the step reaches {est.mfu:.0%} MFU") for s in llama)
     gpt3 = PUBLISHED_RUNS["gpt3-175b"].estimate().reasons  # full recomputation: 6
-    assert any(s.startswith("TP 8 stays inside a node: its 6 all-reduces")
+    assert any(s.startswith("TP 8 (no sequence parallelism) stays inside a node: "
+                            "its 6 all-reduces")
                for s in gpt3)
     ds = PUBLISHED_RUNS["deepseek-v3"].estimate()
     assert ds.traffic["tp"] == 0 and ds.traffic["ep"] > 0
@@ -247,3 +247,22 @@ def test_dualpipe_leaves_a_dense_model_no_all_to_all_time():
     assert any(r.estimate.time["pp"] > 0 for r in duals)
     e = PUBLISHED_RUNS["deepseek-v3"].estimate()  # MoE: both keep their share
     assert e.time["ep"] > e.time["pp"] > 0
+
+
+def test_gpt3_2021_has_no_sequence_parallelism():
+    # Megatron-LM's 2021 run predates sequence parallelism (Korthikanti et al.
+    # 2022): full recomputation keeps each layer's input whole, 2 s b h bytes,
+    # not split over TP 8; the bytes sent are the same either way
+    run = PUBLISHED_RUNS["gpt3-175b"]
+    assert not run.layout.sequence_parallel
+    c, est = M[run.model], run.estimate()
+    with_sp = estimate(c, dataclasses.replace(run.layout, sequence_parallel=True),
+                       run.cluster, run.global_batch_tokens, run.seq)
+    held = 12 * 8  # min(p, m) micro-batches x 96 / 12 layers on a stage
+    assert est.memory["activations"] == pytest.approx(2 * 2048 * c.hidden * held)
+    assert with_sp.memory["activations"] == pytest.approx(
+        est.memory["activations"] / 8)
+    assert with_sp.traffic == est.traffic and with_sp.step_time == est.step_time
+    assert any("no sequence parallelism" in r for r in est.reasons)
+    ranked = run.choose()
+    assert all(not r.layout.sequence_parallel for r in ranked)

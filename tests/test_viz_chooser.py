@@ -97,9 +97,7 @@ def test_nothing_fits():
 
 def test_step_time_bars_bold_published():
     run = PUBLISHED_RUNS["gpt3-175b"]
-    from labkit.theory.layouts import choose
-
-    ranked = choose(run.model, run.cluster, run.global_batch_tokens, run.seq)
+    ranked = run.choose()          # as in 2021: no sequence parallelism
     fig = step_time_bars(ranked, published=run.layout, top=3)
     labels = fig.axes[0].get_xticklabels()
     assert len(labels) == 4 and labels[-1].get_fontweight() == "bold"

@@ -1,7 +1,10 @@
-"""Chapter 12's checks: which ranks share each of a rank's three groups, and the
-bytes a rank sends in its data-parallel group per step. Both run the student's
-function on every rank of an 8-rank cluster, next to what the ranks really
-built or sent, and name the rank, the grid and the group that is wrong."""
+"""Chapter 12's checks: which ranks share each of a rank's groups (on the
+cluster's ranks, or for any order of the dimensions), the bytes a rank sends in
+its data-parallel group per step, a ring collective's α-β seconds, and how a
+layout change moves each dimension's bytes. The cluster checks run the
+student's function on every rank of an 8-rank cluster, next to what the ranks
+really built or sent; each names the rank, grid, group or dimension that is
+wrong."""
 
 from __future__ import annotations
 
@@ -180,4 +183,144 @@ def check_ring_seconds(fn, cluster=None) -> bool:
                             f"{hint}")
     print(f"correct: your α-β seconds match on all {len(RING_CASES)} collectives, "
           "from 8 GPUs in a node to a ring over 2048 nodes")
+    return PASSED
+
+
+# ------------------------------------------------ exercise 1: any order of dims
+
+ORDER_CASES = (  # dimensions outermost first, as init_device_mesh names them
+    {"dp": 2, "pp": 2, "tp": 2},
+    {"tp": 2, "pp": 2, "dp": 2},
+    {"pp": 2, "dp": 4, "tp": 2},
+    {"dp": 2, "pp": 4, "cp": 2, "tp": 4},
+)
+
+
+def mesh_groups(rank: int, dims: dict) -> dict:
+    """Reference: the ranks of each of `rank`'s groups when the ranks fill a grid
+    of `dims` (name -> size, outermost first) row-major, the last dimension
+    innermost: how torch's init_device_mesh(..., mesh_dim_names=tuple(dims))
+    lays them out (chapter 12, section 6). A group of dimension k is the ranks
+    whose other coordinates are equal, in coordinate order."""
+    sizes = list(dims.values())
+    strides, s = [], 1
+    for n in reversed(sizes):
+        strides.insert(0, s)
+        s *= n
+    out = {}
+    for k, (name, n) in enumerate(dims.items()):
+        coord = rank // strides[k] % n
+        base = rank - coord * strides[k]
+        out[name] = [base + i * strides[k] for i in range(n)]
+    return out
+
+
+def check_peers_any_order(fn) -> bool:
+    """`fn(rank, dims)`: {name: [global ranks]} for each dimension of `dims`
+    (name -> size, outermost first; the last one innermost), as DeviceMesh lays
+    the ranks out. Every rank of four grids (8 to 32 ranks, three or four
+    dimensions, tensor parallelism innermost or not); the first wrong group is
+    named, with the stride it should have."""
+    from labkit.checks.common import NOT_WRITTEN, call_answer
+
+    for dims in ORDER_CASES:
+        world = 1
+        for n in dims.values():
+            world *= n
+        shape = " x ".join(f"{k} {n}" for k, n in dims.items())
+        for rank in range(world):
+            call = f"my_peers({rank}, {dims})"
+            got = call_answer(fn, rank, dict(dims), what="my_peers")
+            if got is NOT_WRITTEN:
+                return NOT_YET
+            want = mesh_groups(rank, dims)
+            if not isinstance(got, dict) or set(got) != set(dims):
+                raise ExerciseError(f"{call} returned {got!r}; return a dict with "
+                                    f"the keys {list(dims)}")
+            for d, ranks in want.items():
+                if _as_ranks(got[d]) == ranks:
+                    continue
+                inner = [k for k in list(dims)[list(dims).index(d) + 1:]]
+                stride = ranks[1] - ranks[0] if len(ranks) > 1 else 1
+                why = (f"the product of the sizes of the dimensions inside it "
+                       f"({' x '.join(inner)})" if inner else
+                       "1: it is the innermost dimension")
+                raise ExerciseError(
+                    f"{call} on the grid {shape} ({world} ranks): its {d} group is "
+                    f"{got[d]!r}, expected {ranks}. Hint: {d}'s ranks are {stride} "
+                    f"apart, {why}; the last dimension named is the innermost, "
+                    "not always tp")
+    print(f"correct: every rank of {len(ORDER_CASES)} grids named its groups as "
+          "DeviceMesh lays them out, whichever dimension is innermost")
+    return PASSED
+
+
+# ------------------------------------------- exercise 4: move a long-context run
+
+LONG_CONTEXT_CP = 32  # the layout the student reasons about: CP 32 x DP 4
+
+
+def _long_context_pair():
+    import dataclasses
+
+    from labkit.theory.layouts import PUBLISHED_RUNS, estimate
+    from labkit.theory.models import MODELS
+
+    run = PUBLISHED_RUNS["llama3-405b-128k"]
+    lay = run.layout
+    dp = lay.dp * lay.cp // LONG_CONTEXT_CP
+    seqs = run.global_batch_tokens // run.seq
+    other = dataclasses.replace(lay, cp=LONG_CONTEXT_CP, dp=dp,
+                                microbatches=seqs // dp, name="")
+    new = estimate(MODELS[run.model], other, run.cluster, run.global_batch_tokens,
+                   run.seq)
+    return run.estimate(), new
+
+
+def check_traffic_ratios(fn) -> bool:
+    """`fn()`: {"tp": r, "cp": r, "pp": r, "dp": r}, each the bytes a GPU sends
+    per step in that dimension when Llama 3 405B's long-context layout (TP 8,
+    PP 16, CP 16, DP 8, ZeRO-2, interleaved v = 2, 128 sequences of 131,072 per
+    step, one per micro-batch) becomes CP 32 x DP 4, divided by the published
+    layout's. Compared with what theory.layouts.estimate prices for both (the
+    chapter's section 7); the first dimension that is off is named with what it
+    looks like was missed."""
+    from labkit.checks.common import NOT_WRITTEN, call_answer
+
+    got = call_answer(fn, what="my_traffic_ratios")
+    if got is NOT_WRITTEN:
+        return NOT_YET
+    dims = ("tp", "cp", "pp", "dp")
+    if not isinstance(got, dict) or set(got) != set(dims):
+        raise ExerciseError(f"my_traffic_ratios() returned {got!r}; return a dict "
+                            f"with the keys {list(dims)}")
+    old, new = _long_context_pair()
+    hints = {
+        "tp": "each micro-batch's all-reduces carry b s h with s the local "
+              "sequence, which CP 32 halves (8,192 -> 4,096 tokens), while a "
+              "replica of DP 4 runs 32 micro-batches, not 16",
+        "pp": "one activation per micro-batch and chunk, b s h / t each: the local "
+              "sequence and the number of micro-batches both change",
+        "cp": "the K and V all-gathered per layer and micro-batch are the whole "
+              "sequence's, whatever CP is; a ring of n sends (n-1)/n of it; and "
+              "there are twice the micro-batches",
+        "dp": "ZeRO-2 over DP x CP = 128 ranks both ways: it reduce-scatters its "
+              "gradient shard after every micro-batch's backward and all-gathers "
+              "the weights once per step (n-1)/n of the stage's weights each",
+    }
+    for d in dims:
+        want = new.traffic[d] / old.traffic[d]
+        v = got[d]
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ExerciseError(f"my_traffic_ratios()[{d!r}] is {v!r}; return a "
+                                "number, the new layout's bytes over the old's")
+        if abs(v - want) <= 1e-9 * want:  # closed forms in float64: rounding only
+            continue
+        raise ExerciseError(
+            f"{d}: {v:.4g} x the published layout's bytes per GPU per step, but "
+            f"the calculator prices CP {LONG_CONTEXT_CP} x DP "
+            f"{new.layout.dp} at {want:.4g} x ({new.traffic[d] / 1e9:,.2f} GB "
+            f"against {old.traffic[d] / 1e9:,.2f} GB). Hint: {hints[d]}")
+    print("correct: tp, cp, pp and dp bytes per GPU move as the calculator "
+          "prices them")
     return PASSED

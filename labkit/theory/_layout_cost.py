@@ -19,7 +19,6 @@ from labkit.theory._validate import check_counts
 from labkit.theory.activations import activation_terms
 from labkit.theory.collective_cost import ring_bytes_per_rank
 from labkit.theory.models import ModelConfig, param_count
-from labkit.theory.pipeline import activations_in_flight
 from labkit.theory.tensor_parallel import layer_traffic
 from labkit.theory.zero import zero_breakdown
 
@@ -50,7 +49,11 @@ class Layout:
     interleaved 1F1B: bubble / v, v times the pipeline sends). dualpipe:
     DeepSeek-V3's bidirectional schedule (DeepSeek-AI 2024, sec. 3.2.1): two
     copies of the parameters, PP + 1 micro-batches of activations, EP and PP
-    traffic overlapped with compute, and a smaller bubble."""
+    traffic overlapped with compute, and a smaller bubble. sequence_parallel:
+    with TP > 1, whether the norms' and dropouts' activations are split over
+    the TP ranks too (Korthikanti et al. 2022, sec. 4.2.2; same bytes sent, the
+    all-reduces become all-gathers and reduce-scatters); Megatron-LM's 2021 runs
+    predate it."""
 
     tp: int = 1
     pp: int = 1
@@ -63,6 +66,7 @@ class Layout:
     name: str = ""
     interleave: int = 1
     dualpipe: bool = False
+    sequence_parallel: bool = True
 
     def __post_init__(self):
         check_counts(**{d: getattr(self, d) for d in (
@@ -180,7 +184,7 @@ def check_layout(model: ModelConfig, layout: Layout, cluster: Cluster,
         raise ValueError(f"EP {lay.ep} does not divide {c.name}'s {c.experts} experts")
     if not c.experts and lay.ep > 1:
         raise ValueError(f"{c.name} has no experts to shard over EP {lay.ep}")
-    if seq % (lay.cp * (lay.tp if lay.tp > 1 else 1)):
+    if seq % (lay.cp * (lay.tp if lay.tp > 1 and lay.sequence_parallel else 1)):
         raise ValueError(f"seq {seq} is not divisible by CP {lay.cp} x TP {lay.tp} "
                          f"(sequence parallelism splits it over both)")
     if global_batch_tokens % seq:
@@ -223,8 +227,10 @@ def estimate(model: ModelConfig, layout: Layout, cluster: Cluster,
     Memory: mixed-precision Adam (2 + 2 + 12 bytes per parameter, theory.zero),
     parameters split over TP x PP (experts also over EP), ZeRO over DP x CP (the
     experts' over DP x CP / EP); the busiest stage holds ceil(layers / PP) layers
-    and, under 1F1B, min(PP, m) micro-batches of activations (Korthikanti et al.'s
-    GPT layer with sequence parallelism when TP > 1 and FlashAttention, so no
+    and activations_held(layout) micro-batches of activations (1F1B min(PP, m),
+    interleaved PP + (PP-1)/v, DualPipe PP + 1; Korthikanti et al.'s GPT layer,
+    with sequence parallelism when TP > 1 unless the layout turns it off, and
+    FlashAttention, so no
     s x s scores; RMSNorm models (Llama 3, DeepSeek-V3) train without dropout,
     so no dropout masks; MLA and MoE change the constants, which this ignores).
     Traffic, bytes each device sends per step (ring collectives): TP 4 all-
@@ -241,7 +247,12 @@ def estimate(model: ModelConfig, layout: Layout, cluster: Cluster,
     hides under the compute that runs while it can go (dp_phases_of); the bubble
     is bubble_fraction of the rest."""
     from labkit.theory._layout_roofline import compute_slowdown
-    from labkit.theory._layout_time import bubble_fraction, dp_phases_of, latency_of
+    from labkit.theory._layout_time import (
+        activations_held,
+        bubble_fraction,
+        dp_phases_of,
+        latency_of,
+    )
     c, lay = model, layout
     per_replica = check_layout(c, lay, cluster, global_batch_tokens, seq)
     m = lay.microbatches
@@ -256,14 +267,14 @@ def estimate(model: ModelConfig, layout: Layout, cluster: Cluster,
                         dtype_bytes)
     ze = zero_breakdown(expert_dev, max(lay.dp * lay.cp // lay.ep, 1), lay.zero, k,
                         dtype_bytes, dtype_bytes)
-    sp = lay.tp > 1
+    sp = lay.tp > 1 and lay.sequence_parallel
     terms = activation_terms(s_local, b, c.hidden, c.heads, lay.tp, sp,
                              lay.recompute, attention_scores=False)
     act_layer = sum(v for k, v in terms.items()
                     if c.norm == "layernorm" or "dropout mask" not in k)
-    in_flight = activations_in_flight("1f1b", lay.pp, m) if lay.pp > 1 else 1
-    if lay.dualpipe:  # DeepSeek-AI 2024, table 2: 2x parameters, PP + 1 activations
-        in_flight = min(lay.pp + 1, m)
+    # micro-batches held at the first stage's peak: 1F1B min(p, m), interleaved
+    # p + (p-1)/v, DualPipe p + 1 (activations_held)
+    in_flight = activations_held(lay)
     copies = 2 if lay.dualpipe else 1
     memory = {"params": (zd.params + ze.params) * copies,
               "grads": zd.grads + ze.grads,

@@ -25,7 +25,8 @@ def reasons(model: ModelConfig, est: Estimate, cluster: Cluster) -> list[str]:
         i = est.in_node["tp"]
         stays = "stays inside a node" if i else "spans nodes"
         calls = 6 if lay.recompute == "full" else 4
-        out.append(f"TP {lay.tp} {stays}: its {calls} all-reduces per layer "
+        sp = "" if lay.sequence_parallel else " (no sequence parallelism)"
+        out.append(f"TP {lay.tp}{sp} {stays}: its {calls} all-reduces per layer "
                    f"({_gb(est.traffic['tp'])} per step) run on {link[i]}")
     if lay.cp > 1:
         i = est.in_node["cp"]

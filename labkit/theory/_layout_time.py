@@ -53,6 +53,28 @@ def bubble_fraction(lay: Layout) -> float:
     return pipeline_bubble(lay.pp, lay.microbatches, lay.interleave).of_ideal
 
 
+def activations_held(lay: Layout) -> float:
+    """Micro-batches of one stage's activations the first stage holds at its
+    peak. 1F1B: min(p, m) (chapter 10). Interleaved 1F1B with v chunks per
+    stage: Megatron-LM's schedule (megatron/core/pipeline_parallel/schedules.py,
+    forward_backward_pipelining_with_interleaving) runs 2(p-1) + (v-1)p chunk
+    forwards before its first backward on the first stage, and one more before
+    that backward, so v·p + p - 1 chunks of 1/v of the stage's layers are held:
+    p + (p-1)/v micro-batches, p·(1 + (p-1)/(p v)) (Korthikanti et al. 2022
+    give this factor for the interleaved schedule); where m = p, or where
+    that is more than all v·m chunks, every forward runs first and m are held.
+    p = 16, v = 2: 23.5 where 1F1B holds 16; p = 4, v = 2: 5.5 (chapter 10
+    measured it). DualPipe: p + 1 (DeepSeek-AI 2024, table 2)."""
+    p, m, v = lay.pp, lay.microbatches, lay.interleave
+    if p == 1:
+        return 1
+    if lay.dualpipe:
+        return min(p + 1, m)
+    if v == 1:
+        return min(p, m)
+    return m if m <= p else min(m, p + (p - 1) / v)
+
+
 def ring_latency(op: str, n: int, nodes: int, alpha_intra: float,
                  alpha_inter: float) -> float:
     """The α part of one ring collective over n ranks on `nodes` nodes: its

@@ -83,8 +83,18 @@ class PublishedRun:
         return estimate(MODELS[self.model], self.layout, self.cluster,
                         self.global_batch_tokens, self.seq)
 
+    def choose(self) -> list[Ranked]:
+        """The layouts this run's cluster could have run for this model and batch,
+        ranked (`choose`), with sequence parallelism only where the published
+        layout could have used it (GPT-3's 2021 run could not)."""
+        return choose(self.model, self.cluster, self.global_batch_tokens, self.seq,
+                      sequence_parallel=self.layout.sequence_parallel)
 
-# Llama Team 2024, table 4, the long-context stage: 131,072-token sequences
+
+# Llama Team 2024, table 4, the long-context stage: 131,072-token sequences.
+# The row prints DP 4 with 16,384 GPUs, 16 sequences per DP rank and 16M tokens
+# per batch; TP 8 x CP 16 x PP 16 x DP 4 is 8,192 GPUs and 8M tokens, so we take
+# DP 8, which makes the row's GPUs and tokens agree.
 LLAMA3_LONG_CONTEXT = Layout(tp=8, pp=16, dp=8, cp=16, zero=2, microbatches=16,
                              recompute="selective", interleave=2,
                              name="Llama 3 405B (128K)")
@@ -92,12 +102,16 @@ LLAMA3_LONG_CONTEXT = Layout(tp=8, pp=16, dp=8, cp=16, zero=2, microbatches=16,
 PUBLISHED_RUNS = {
     # Brown et al. 2020 publish no parallel layout for GPT-3. Narayanan et al. 2021
     # train the same shape (174.6B: 96 layers, hidden 12288, 96 heads) with
-    # model-parallel size 96 on 1536 A100s, batch 1536 (table 2, micro-batch 1);
-    # TP 8 fills a DGX node (sec. 3.3), so PP = 96 / 8 = 12 (our reading of 96).
-    # Megatron's 2021 optimizer is not sharded: ZeRO 0. Its runs recomputed
-    # every layer (full recomputation: Korthikanti et al. 2022, sec. 1).
+    # model-parallel size 96 on 1536 A100s, batch 1536 (table 2, micro-batch 1:
+    # 141 teraFLOP/s per GPU). The split of 96 is not published: every model of
+    # their table 1 from 18B up runs TP 8, a DGX node (sec. 3.3 and 5.4.1), so we
+    # read it as TP 8 x PP 12. Megatron's 2021 optimizer is not sharded: ZeRO 0.
+    # Its runs recomputed every layer (full recomputation, which eq. 3's FLOPs
+    # count: Korthikanti et al. 2022, sec. 1) and had no sequence parallelism,
+    # which Korthikanti et al. 2022 introduced a year later.
     "gpt3-175b": PublishedRun(
         "gpt3-175b", Layout(tp=8, pp=12, dp=16, microbatches=96, recompute="full",
+                            sequence_parallel=False,
                             name="Megatron-LM GPT-3 175B"),
         A100_SELENE, 1536 * 2048, 2048,
         "Narayanan et al. 2021 (SC21), table 2 (Brown et al. 2020 give none)",
@@ -176,10 +190,12 @@ def _schedules(pp: int) -> list[dict]:
 
 
 def candidates(model: ModelConfig, cluster: Cluster, global_batch_tokens: int,
-               seq: int, gpus: int, inter_node_tp: bool = False):
+               seq: int, gpus: int, inter_node_tp: bool = False,
+               sequence_parallel: bool = True):
     """Every layout on exactly `gpus` GPUs: powers of two and the published
     degrees, micro-batch size 1 (as many micro-batches as the batch allows),
-    each pipeline schedule (1F1B, interleaved v = 2 and 4, DualPipe)."""
+    each pipeline schedule (1F1B, interleaved v = 2 and 4, DualPipe), with or
+    without sequence parallelism as `sequence_parallel` says."""
     published = list(PUBLISHED_LAYOUTS.values()) + [LLAMA3_LONG_CONTEXT]
     extra = {d: {getattr(p, d) for p in published} for d in ("tp", "pp", "cp", "ep")}
     tp_max = model.heads if inter_node_tp else cluster.gpus_per_node
@@ -203,14 +219,17 @@ def candidates(model: ModelConfig, cluster: Cluster, global_batch_tokens: int,
                     for zero, rc, sched in product((0, 1, 2, 3), ("selective", "full"),
                                                    _schedules(pp)):
                         yield Layout(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero=zero,
-                                     microbatches=seqs // dp, recompute=rc, **sched)
+                                     microbatches=seqs // dp, recompute=rc,
+                                     sequence_parallel=sequence_parallel, **sched)
 
 
 def choose(model: ModelConfig | str, cluster: Cluster, global_batch_tokens: int,
            seq: int, max_gpus: int | None = None,
-           inter_node_tp: bool = False) -> list[Ranked]:
+           inter_node_tp: bool = False,
+           sequence_parallel: bool = True) -> list[Ranked]:
     """The layouts that fit on `max_gpus` (default: the whole cluster), fastest
-    first by estimated step time. TP stays within a node unless inter_node_tp.
+    first by estimated step time. TP stays within a node unless inter_node_tp;
+    sequence_parallel=False ranks the layouts without it (a 2021 Megatron-LM).
     ("none" recomputation is left out: with FlashAttention it keeps what
     "selective" keeps.)"""
     c = MODELS[model] if isinstance(model, str) else model
@@ -221,7 +240,8 @@ def choose(model: ModelConfig | str, cluster: Cluster, global_batch_tokens: int,
         raise ValueError(f"global batch {global_batch_tokens} tokens is not a whole "
                          f"number of {seq}-token sequences")
     fits = []
-    for lay in candidates(c, cluster, global_batch_tokens, seq, gpus, inter_node_tp):
+    for lay in candidates(c, cluster, global_batch_tokens, seq, gpus, inter_node_tp,
+                          sequence_parallel):
         try:
             est = estimate(c, lay, cluster, global_batch_tokens, seq)
         except ValueError:

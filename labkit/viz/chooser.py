@@ -35,10 +35,20 @@ TIME_LABELS = {"compute": "compute", "tp": "TP all-reduce (exposed)",
                "bubble": "pipeline bubble"}
 
 
+def _short_schedule(lay) -> str:
+    """A tick label's last line: the pipeline schedule, short."""
+    if lay.pp == 1:
+        return "no pipeline"
+    if lay.dualpipe:
+        return "DualPipe"
+    return f"1F1B, v = {lay.interleave}" if lay.interleave > 1 else "1F1B"
+
+
 def step_time_bars(ranked, *, published=None, top: int = 5) -> Figure:
     """Stacked bars of each layout's step time (compute, exposed communication by
-    kind, bubble) for the `top` fastest, and the published layout if given. A kind
-    that takes no time in any bar shown is neither drawn nor in the legend."""
+    kind, bubble) for the `top` fastest, and the published layout if given; each
+    label ends with the layout's pipeline schedule. A kind that takes no time in
+    any bar shown is neither drawn nor in the legend."""
     rows = list(ranked[:top])
     mine = find(ranked, published) if published is not None else None
     if mine is not None and mine not in rows:
@@ -55,14 +65,15 @@ def step_time_bars(ranked, *, published=None, top: int = 5) -> Figure:
     for i, total in enumerate(bottom):
         ax.text(i, total, seconds(total).removesuffix(" s"), ha="center",
                 va="bottom", fontsize=8)
-    labels = [f"#{r.rank}\n" + str(r.layout).replace(" · ", "\n") for r in rows]
+    labels = [f"#{r.rank}\n" + str(r.layout).replace(" · ", "\n") + "\n"
+              + _short_schedule(r.layout) for r in rows]
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     if mine is not None:
         ax.get_xticklabels()[rows.index(mine)].set_fontweight("bold")
     ax.set_ylim(0, 1.15 * (max(bottom, default=0.0) or 1.0))
     ax.set_ylabel("estimated seconds per step")
-    ax.set_title("Where each layout's step goes (bold: published)" if mine else
-                 "Where each layout's step goes")
+    ax.set_title("Where each layout's step goes (last line: pipeline schedule"
+                 + ("; bold: published)" if mine else ")"))
     if ax.containers:
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
@@ -186,8 +197,9 @@ class StrategyChooser(W.VBox):
         cl = self.cluster()
         run = PUBLISHED_RUNS.get(name)
         published = run.layout if run else None
-        try:
-            ranked = choose(name, cl, tokens, seq)
+        sp = published.sequence_parallel if published is not None else True
+        try:  # a published run's model: the software of its day (GPT-3: no SP)
+            ranked = choose(name, cl, tokens, seq, sequence_parallel=sp)
         except ValueError as e:
             ranked, self.info.value = [], f"<b>no layout:</b> {html.escape(str(e))}"
         self.last = ranked
@@ -204,8 +216,9 @@ class StrategyChooser(W.VBox):
                 f"bf16 each, large GEMMs at {cl.gemm_efficiency:.0%} of it; α "
                 f"{cl.alpha_intra * 1e6:.1f} µs per ring step in a node, "
                 f"{cl.alpha_inter * 1e6:.1f} µs between nodes). Ranked by "
-                f"estimated step time on all {cl.gpus:,} GPUs, fastest first; a "
-                f"layout under {WASTEFUL_MFU:.0%} MFU is marked wasteful.")
+                f"estimated step time on all {cl.gpus:,} GPUs, fastest first"
+                + ("" if sp else ", without sequence parallelism (as in 2021)")
+                + f"; a layout under {WASTEFUL_MFU:.0%} MFU is marked wasteful.")
         if ranked:
             head += " " + self.scale.advice()
         if published is not None and ranked:
