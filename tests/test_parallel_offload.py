@@ -247,7 +247,7 @@ def _sharded(rank, world_size, name):
                            reduce_scatter_gradients=True, **kw)
     rows = slice(rank * 32 // world_size, (rank + 1) * 32 // world_size)
     params = _train(model, opt, rows=rows)
-    return {"params": params, "moved": opt._inner.bytes_moved}
+    return {"params": params, "moved": opt.optim.bytes_moved}
 
 
 @pytest.mark.parametrize("name", list(OPTS))

@@ -311,6 +311,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             elif grp.grad is not None:
                 grp.grad.zero_()  # as torch.optim's zeroed .grad: still stepped
 
+    @property
+    def optim(self) -> torch.optim.Optimizer:
+        """The `optimizer_cls` instance that steps this rank's slice (an
+        OffloadedOptimizer's `bytes_moved`, say); ZeroRedundancyOptimizer's name."""
+        return self._inner
+
     def host_resident(self) -> dict[str, list[torch.Tensor]]:
         """What the inner optimizer keeps in host memory, by category (an
         OffloadedOptimizer's master slice, state and gradient copy), so that the
