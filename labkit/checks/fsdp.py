@@ -1,5 +1,6 @@
-"""Chapter 07's checks: the ZeRO-3 forward hook pair (gather before, free after),
-and the share of the weights a rank holds at its peak."""
+"""Chapter 07's checks: a ZeRO-3 layer with autograd on (gather before forward,
+free after it, gather again for backward, reduce-scatter the gradients), the share
+of the weights a rank holds at its peak, and the fewest units that fit."""
 
 from __future__ import annotations
 
@@ -44,20 +45,37 @@ def _held(layer) -> dict[str, int]:
     return out
 
 
+class _Unfilled(RuntimeError):
+    """Backward read a saved tensor whose storage was not gathered again."""
+
+
+def _saved_watch(kept: list):
+    """saved_tensors_hooks that keep every tensor forward saves in `kept` and
+    raise _Unfilled when backward reads one that has no bytes behind it."""
+    def pack(t):
+        kept.append(t)
+        return t
+
+    def unpack(t):
+        if t.numel() and not t.untyped_storage().nbytes():
+            raise _Unfilled(f"a saved tensor of shape {tuple(t.shape)}")
+        return t
+    return pack, unpack
+
+
 def _hooks_worker(rank, world_size, fn):
     import torch
 
     from labkit.ledger import traffic
 
     full, shards, shapes = _layer_and_shards(rank, world_size)
+    shards = {k: torch.nn.Parameter(v) for k, v in shards.items()}
     layer = torch.nn.Linear(IN, OUT)
     for name in shapes:
         delattr(layer, name)  # the layer starts with nothing of its own
-    hooks = fn(layer, shards, shapes)
-    if not (isinstance(hooks, tuple) and len(hooks) == 2
-            and all(callable(h) for h in hooks)):
-        return {"returned": hooks if hooks is None else repr(hooks)[:120]}
-    pre, post = hooks
+    returned = fn(layer, shards, shapes)
+    if returned is not None and not layer._forward_pre_hooks:  # the old API
+        return {"returned": repr(returned)[:120]}
     seen = {}
 
     def look(module, args):  # runs after the student's pre-hook
@@ -65,91 +83,207 @@ def _hooks_worker(rank, world_size, fn):
         seen.update({n: None if t is None else t.detach().clone()
                      for n, t in seen.items()})
 
-    layer.register_forward_pre_hook(pre)
     layer.register_forward_pre_hook(look)
-    layer.register_forward_hook(post)
-    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(10 + rank))
-    out = None
-    with torch.no_grad(), traffic() as t:
+    gen = torch.Generator().manual_seed(10 + rank)
+    # an input that needs its gradient, as a middle layer's does: forward saves
+    # the weight for it, so that freeing must reach what autograd holds
+    x = torch.randn(3, IN, generator=gen).requires_grad_()
+    g = torch.randn(3, OUT, generator=gen)  # the output's gradient
+    out, kept, backward = None, [], "not run"
+    with torch.autograd.graph.saved_tensors_hooks(*_saved_watch(kept)):
         try:
             out = layer(x)
         except RuntimeError as err:  # e.g. a gathered weight of the wrong shape
             if not seen:
                 raise
             out = err
+    own = x.untyped_storage().data_ptr()
+    saved = {s.data_ptr(): s.nbytes() for s in
+             (k.untyped_storage() for k in kept) if s.data_ptr() != own}
+    held, still = _held(layer), sum(saved.values())
+    if isinstance(out, torch.Tensor):
+        try:
+            out.backward(g)
+            backward = "ok"
+        except _Unfilled as err:
+            backward = f"unfilled: {err}"
+        out = out.detach()
+    grads = {n: None if s.grad is None else s.grad.detach().clone()
+             for n, s in shards.items()}
+    ops = set()
+    if backward == "ok":
+        # two more steps: one as autograd runs it (saved-tensor hooks turn off
+        # its check that nothing it saved was edited in place), one in the
+        # traffic ledger, for what it sends
+        for s in shards.values():
+            s.grad = None
+        try:
+            layer(x).backward(g)
+        except RuntimeError as err:
+            if "inplace operation" not in str(err):
+                raise
+            backward = "inplace"
+    if backward == "ok":
+        with traffic() as t:
+            layer(x).backward(g)
+        ops = set(t.by_op())
+    ref = {}
+    for dtype in (torch.float32, torch.float64):  # this rank's whole gradients
+        f = copy.deepcopy(full).to(dtype)
+        (f(x.detach().to(dtype)) * g.to(dtype)).sum().backward()
+        ref[dtype] = {n: p.grad.flatten() for n, p in f.named_parameters()}
     return {"seen": seen, "out": out, "want_out": full(x).detach(),
             "exact_out": copy.deepcopy(full).double()(x.double()).detach(),
             "want": {n: p.detach() for n, p in full.named_parameters()},
-            "held": _held(layer), "ops": set(t.by_op())}
+            "held": held, "saved": still, "backward": backward,
+            "grads": grads,
+            "ref": ref[torch.float32], "ref64": ref[torch.float64],
+            "ops": ops}
 
 
 def check_zero3_hooks(cluster, fn) -> bool:
-    """Check a student's ZeRO-3 forward hook pair on a Linear(10, 7).
+    """Check a student's ZeRO-3 layer, forward and backward, on a Linear(10, 7)
+    whose input needs its gradient (as a middle layer's does), autograd on.
 
-    `fn(layer, shards, shapes)` returns (pre_forward, post_forward), hooks for
-    register_forward_pre_hook and register_forward_hook. `layer` has no weight or
-    bias; shards[name] is this rank's 1-D piece of that parameter (ceil(numel/N)
-    elements, the last rank's zero-padded); shapes[name] its full shape. The pre
-    hook must all-gather every parameter and set it on the layer (trimmed to its
-    shape); the post hook must free it. A mistake is reported by rank, tensor and
-    first wrong element, or by what the layer still holds after forward.
+    `fn(layer, shards, shapes)` registers hooks on `layer` (its return value is
+    not used). `layer` has no weight or bias; shards[name] is this rank's 1-D
+    piece of that parameter (an nn.Parameter of ceil(numel/N) elements, the last
+    rank's zero-padded); shapes[name] its full shape. Before forward the layer
+    must all-gather every parameter and set it on the layer (trimmed, shaped);
+    after forward free it — its storage, which autograd's saved tensors share;
+    before the layer's backward gather it again; and put the mean over the ranks
+    of piece r of each whole gradient in rank r's shards[name].grad. A mistake is
+    reported by rank, tensor and first wrong element, or by what was still held
+    after forward, or by what backward found freed.
     """
-    res = run_answer(cluster, _hooks_worker, fn, what="gather and free hooks")
+    res = run_answer(cluster, _hooks_worker, fn, what="ZeRO-3 hooks")
     if res is None:
         return NOT_YET
+    n = cluster.world_size
     for rank, r in enumerate(res):
-        if "returned" in r:
+        if "seen" not in r:
             raise ExerciseError(
-                f"rank {rank}: your function returned {r['returned']}: return a pair "
-                "(pre, post) of functions, pre(module, args) to gather before "
-                "forward and post(module, args, output) to free after it")
-        for name, want in r["want"].items():
-            got = r["seen"].get(name)
-            if got is None:
-                raise ExerciseError(
-                    f"rank {rank}: when forward ran, layer.{name} was not set: the "
-                    "pre-forward hook must put the gathered parameter on the layer")
-            if tuple(got.shape) != tuple(want.shape):
-                raise ExerciseError(
-                    f"rank {rank}, tensor {name}: forward saw shape "
-                    f"{tuple(got.shape)}, expected {tuple(want.shape)}: gather all "
-                    "N shards, drop the padding past numel, then view as the shape")
-            if got.dtype != want.dtype:
-                raise ExerciseError(
-                    f"rank {rank}, tensor {name}: forward saw dtype {got.dtype}, "
-                    f"expected {want.dtype}: keep the shards' dtype")
-            bad = (got != want).nonzero()
-            if len(bad):
-                i = tuple(int(v) for v in bad[0])
-                raise ExerciseError(
-                    f"rank {rank}, tensor {name}, element {i}: forward saw "
-                    f"{float(got[i]):.6g}, expected {float(want[i]):.6g} (the shards "
-                    "go in rank order: rank r's piece is elements [r*s, (r+1)*s))")
-        # the parameters were bit for bit full's: the output is one process's,
-        # to its float32 rounding (a student's weight laid out otherwise may take
-        # another kernel)
-        out = r["out"]
-        if getattr(out, "shape", None) != r["want_out"].shape or wrong_element(
-                out, r["want_out"], r["exact_out"]) is not None:
-            raise ExerciseError(f"rank {rank}: the parameters were right but the "
-                                "output is not: do not change the input or output")
-        big = {k: v for k, v in r["held"].items()
-               if v > -(-r["want"][k].numel() // cluster.world_size)
-               if k in r["want"]}
-        if big:
-            k, v = next(iter(big.items()))
+                f"rank {rank}: your function returned {r['returned']} and put no "
+                "hook on the layer: register the hooks on the layer "
+                "yourself (layer.register_forward_pre_hook(...), ...)")
+        _check_forward(rank, r, n)
+        if r["saved"]:
             raise ExerciseError(
-                f"rank {rank}: after forward the layer still holds {k} with {v} "
-                f"elements (the whole parameter): the post-forward hook must free "
-                f"it (e.g. `del module.{k}`), so that only the shards stay")
-        if r["ops"] - {"all_gather"}:
+                f"rank {rank}: after forward autograd's graph still holds "
+                f"{r['saved']} bytes of the gathered weight, which forward saved "
+                "for backward: dropping the layer's name (delattr) leaves the "
+                "tensor to the graph. Free its storage, "
+                "`t.untyped_storage().resize_(0)`, and gather into that same "
+                "tensor again before backward (into `t.data`, so that autograd "
+                "does not take the refill for an in-place edit)")
+        if r["backward"].startswith("unfilled"):
+            raise ExerciseError(
+                f"rank {rank}: the layer's backward read the weight it saved in "
+                f"forward ({r['backward'].removeprefix('unfilled: ')}) and found "
+                "it freed: gather it again before the layer's backward, e.g. in a "
+                "hook on the forward output's gradient (out.register_hook), which "
+                "runs just before")
+        if r["backward"] == "inplace":
+            raise ExerciseError(
+                f"rank {rank}: backward says a tensor it saved was modified in "
+                "place: your gather for backward wrote into it. Gather or copy "
+                "into `full.data` (the same storage, which autograd does not count "
+                "as an edit of what it saved)")
+    _check_gradients(res, n)
+    allowed = {"all_gather", "all_to_all", "reduce_scatter"}
+    for rank, r in enumerate(res):
+        if r["ops"] - allowed:
             raise ExerciseError(
                 f"rank {rank}: the values are right, but it used "
-                f"{sorted(r['ops'] - {'all_gather'})}: one all-gather per "
-                "parameter brings every rank's shard to every rank")
-    print("correct: every rank gathered the weight and bias in rank order, trimmed "
-          "the padding, computed the full layer's output, and freed both after")
+                f"{sorted(r['ops'] - allowed)}: an all-gather brings every shard "
+                "to every rank, and a reduce-scatter (on gloo: an all-to-all and "
+                "a sum) brings each rank its piece of the summed gradients only")
+    print("correct: every rank gathered the weight and bias in rank order, freed "
+          "their storage after forward (autograd held nothing whole), gathered "
+          "again for backward, and kept its piece of the averaged gradients")
     return PASSED
+
+
+def _check_forward(rank: int, r: dict, n: int) -> None:
+    """What forward saw, what it computed and what the layer held after it."""
+    for name, want in r["want"].items():
+        got = r["seen"].get(name)
+        if got is None:
+            raise ExerciseError(
+                f"rank {rank}: when forward ran, layer.{name} was not set: the "
+                "pre-forward hook must put the gathered parameter on the layer")
+        if tuple(got.shape) != tuple(want.shape):
+            raise ExerciseError(
+                f"rank {rank}, tensor {name}: forward saw shape "
+                f"{tuple(got.shape)}, expected {tuple(want.shape)}: gather all "
+                "N shards, drop the padding past numel, then view as the shape")
+        if got.dtype != want.dtype:
+            raise ExerciseError(
+                f"rank {rank}, tensor {name}: forward saw dtype {got.dtype}, "
+                f"expected {want.dtype}: keep the shards' dtype")
+        bad = (got != want).nonzero()
+        if len(bad):
+            i = tuple(int(v) for v in bad[0])
+            raise ExerciseError(
+                f"rank {rank}, tensor {name}, element {i}: forward saw "
+                f"{float(got[i]):.6g}, expected {float(want[i]):.6g} (the shards "
+                "go in rank order: rank r's piece is elements [r*s, (r+1)*s))")
+    # the parameters were bit for bit full's: the output is one process's, to its
+    # float32 rounding (a student's weight laid out otherwise may take another
+    # kernel)
+    out = r["out"]
+    if getattr(out, "shape", None) != r["want_out"].shape or wrong_element(
+            out, r["want_out"], r["exact_out"]) is not None:
+        raise ExerciseError(f"rank {rank}: the parameters were right but the "
+                            "output is not: do not change the input or output")
+    big = {k: v for k, v in r["held"].items()
+           if k in r["want"] and v > -(-r["want"][k].numel() // n)}
+    if big:
+        k, v = next(iter(big.items()))
+        raise ExerciseError(
+            f"rank {rank}: after forward the layer still holds {k} with {v} "
+            "elements (the whole parameter): the post-forward hook must free it "
+            "(its storage: `t.untyped_storage().resize_(0)`), so that only the "
+            "shards stay")
+
+
+def _check_gradients(res: list, n: int) -> None:
+    """Rank r's shards[name].grad: piece r of the mean over the ranks of the whole
+    gradients, to the float32 reference's own rounding against float64."""
+    import torch
+
+    for name in res[0]["ref"]:
+        s = res[0]["grads"][name].numel() if res[0]["grads"][name] is not None \
+            else -(-res[0]["ref"][name].numel() // n)
+        pieces = {}
+        for key in ("ref", "ref64"):
+            mean = torch.stack([r[key][name] for r in res]).mean(0)
+            pieces[key] = torch.zeros(n * s, dtype=mean.dtype)
+            pieces[key][:mean.numel()] = mean
+        for rank, r in enumerate(res):
+            got = r["grads"][name]
+            want, exact = (pieces[k][rank * s:(rank + 1) * s] for k in
+                           ("ref", "ref64"))
+            if got is None:
+                raise ExerciseError(
+                    f"rank {rank}: after backward shards['{name}'].grad is None: "
+                    "reduce-scatter the whole gradient once it is complete (e.g. "
+                    "in a post-accumulate-grad hook) and set the shard's .grad to "
+                    "this rank's piece of the mean")
+            if tuple(got.shape) != tuple(want.shape):
+                raise ExerciseError(
+                    f"rank {rank}: shards['{name}'].grad has shape "
+                    f"{tuple(got.shape)}, expected {tuple(want.shape)}: this "
+                    "rank's piece only, padding included")
+            bad = wrong_element(got, want, exact)
+            if bad is not None:
+                i, g, e, tol = bad
+                hint = ("that is N times the mean: divide the sum by N" if
+                        abs(g - n * e) <= n * tol else "rank r keeps piece r of the "
+                        "mean over the ranks of the whole (padded) gradient")
+                raise ExerciseError(
+                    f"rank {rank}, shards['{name}'].grad, element {i}: got "
+                    f"{g:.6g}, expected {e:.6g} (± {tol:.1e}): {hint}")
 
 
 def check_peak_share(fn, measured: dict[tuple[int, int], float]) -> bool:
