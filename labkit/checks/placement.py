@@ -60,6 +60,17 @@ def _compare_bytes(what: str, predicted: dict, measured: dict, rel: float,
                 f"measured {got:,.0f} ({why}); it must match {within}")
 
 
+def _answer_pair(what: str, fn):
+    """Call the student's function: NOT_WRITTEN for a stub, else the pair
+    (Placement, predicted bytes) it must return."""
+    answer = call_answer(fn, what=f"{what} answer")
+    if answer is not NOT_WRITTEN and not (isinstance(answer, tuple)
+                                          and len(answer) == 2):
+        raise ExerciseError(f"{what}: return a pair (Placement(...), dict of "
+                            f"predicted bytes), not {answer!r}")
+    return answer
+
+
 def check_placement(what: str, yours, predicted, want: Placement, measured: dict,
                     rel: float = 0.01, exact=("P", "O", "G")) -> bool:
     """`yours`: the student's Placement; `predicted`: their bytes per rank, a dict
@@ -73,12 +84,9 @@ def check_placement(what: str, yours, predicted, want: Placement, measured: dict
     it is called here, and a stub still raising NotImplementedError is "not
     written yet"."""
     if callable(yours) and not isinstance(yours, Placement):
-        answer = call_answer(yours, what=f"{what} answer")
+        answer = _answer_pair(what, yours)
         if answer is NOT_WRITTEN:
             return NOT_YET
-        if not (isinstance(answer, tuple) and len(answer) == 2):
-            raise ExerciseError(f"{what}: return a pair (Placement(...), dict of "
-                                f"predicted bytes), not {answer!r}")
         yours, predicted = answer
     if yours is None:
         print(f"{what}: not answered yet (replace None with your Placement)")
@@ -113,12 +121,9 @@ def check_design(what: str, yours, budget: dict, run, *, fixed: dict | None = No
     run, and the message is passed on. Any placement that trains correctly, fits
     and is predicted right passes: held bytes and pcie to the byte, sent within
     `rel`."""
-    answer = call_answer(yours, what=f"{what} answer")
+    answer = _answer_pair(what, yours)
     if answer is NOT_WRITTEN:
         return NOT_YET
-    if not (isinstance(answer, tuple) and len(answer) == 2):
-        raise ExerciseError(f"{what}: return a pair (Placement(...), dict of "
-                            f"predicted bytes), not {answer!r}")
     pl, predicted = answer
     if not isinstance(pl, Placement):
         raise ExerciseError(f"{what}: expected a labkit.theory.Placement, got {pl!r}")

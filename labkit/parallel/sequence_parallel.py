@@ -62,8 +62,7 @@ from labkit.parallel.tensor_parallel_mappings import (
     all_gather_first,
     reduce_scatter_first,
 )
-
-RECOMPUTE = ("none", "selective", "full")
+from labkit.theory.activations import RECOMPUTE  # the modes the closed form prices
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
