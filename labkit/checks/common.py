@@ -150,6 +150,12 @@ def _number(x: float, what: str) -> str:
     return text
 
 
+def is_number(x) -> bool:
+    """A student's numeric answer: int, float or numpy's numbers; not a bool
+    (True is an int to Python, never an answer) and not a tensor."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def check_answer(what: str, yours, expected, hint: str = "", rel: float = 1e-9) -> None:
     """Compare a student's number with the expected one: a line saying it is right,
     "not answered yet" for None, ExerciseError with the hint when it is wrong.
@@ -158,7 +164,7 @@ def check_answer(what: str, yours, expected, hint: str = "", rel: float = 1e-9) 
     if yours is None:
         print(f"{what}: not answered yet (replace None with your answer)")
         return
-    if isinstance(yours, bool) or not isinstance(yours, numbers.Real):
+    if not is_number(yours):
         raise ExerciseError(f"{what}: expected a number, got {yours!r}")
     # int and float, and numpy's numbers as Python's (np.int64(4) is 4)
     yours = int(yours) if isinstance(yours, numbers.Integral) else float(yours)

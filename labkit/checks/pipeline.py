@@ -7,13 +7,13 @@ what was expected. Only a right order then drives a real pipeline step."""
 
 from __future__ import annotations
 
-import numbers
 
 from labkit.checks.common import (
     NOT_YET,
     PASSED,
     ExerciseError,
     compare,
+    is_number,
     run_answer,
 )
 
@@ -186,7 +186,7 @@ CASES = (("gpipe", 2), ("gpipe", 6), ("1f1b", 2), ("1f1b", 6))
 
 def _predict_worker(rank, world_size, fn, schedule, m):
     guess = fn(schedule, world_size, m, rank)
-    if isinstance(guess, numbers.Real) and not isinstance(guess, bool):
+    if is_number(guess):
         return {"value": guess}  # 4, 4.0, numpy.int64(4): any real number
     return {"shown": f"{_shown(guess)} ({type(guess).__name__})"}
 

@@ -4,7 +4,6 @@ which collective, which number or which limit is wrong."""
 
 from __future__ import annotations
 
-import numbers
 
 from labkit.checks.common import (
     NOT_WRITTEN,
@@ -12,6 +11,7 @@ from labkit.checks.common import (
     PASSED,
     ExerciseError,
     call_answer,
+    is_number,
 )
 from labkit.theory.placement import Placement
 
@@ -43,7 +43,7 @@ def _compare_bytes(what: str, predicted: dict, measured: dict, rel: float,
                    exact) -> None:
     for key, got in measured.items():
         guess = predicted[key]
-        if isinstance(guess, bool) or not isinstance(guess, numbers.Real):
+        if not is_number(guess):
             raise ExerciseError(f"{what}: {key} must be a number, got {guess!r}")
         tol = 0 if key in exact else rel * max(abs(got), 1)
         if abs(guess - got) > tol:

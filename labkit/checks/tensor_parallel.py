@@ -8,13 +8,13 @@ naming the rank, the tensor, the element and the likely mistake."""
 from __future__ import annotations
 
 import copy
-import numbers
 
 from labkit.checks.common import (
     NOT_YET,
     PASSED,
     SHORT_TIMEOUT,
     ExerciseError,
+    is_number,
     rounding_tolerance,
     run_answer,
     wrong_element,
@@ -302,7 +302,7 @@ def check_whole_over_half(what: str, t, *, heads: int, ffn: int, whole: float,
     if t is None:
         print(f"{what}: not answered yet (replace None with your t)")
         return NOT_YET
-    if isinstance(t, bool) or not isinstance(t, numbers.Real) or t < 1 or \
+    if not is_number(t) or t < 1 or \
             not float(t).is_integer():      # 4, 4.0 and numpy's 4 are all 4
         raise ExerciseError(f"{what}: t is a whole number of ranks >= 1, not {t!r}")
     t = int(t)
