@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from labkit.ledger import count_as
 from labkit.parallel.events import Span
+from labkit.parallel.reduce_scatter import send_chunks, sum_chunks
 
 
 def assign(module: torch.nn.Module, wrap, root: bool = True):
@@ -215,14 +216,11 @@ def launch_reduce(params: list, group, n: int, name: str) -> list:
         send = torch._chunk_cat([p.leaf.grad.reshape(-1) for p in ps], 0, n)
         for p in ps:
             p.leaf.grad = None
-        got = torch.empty_like(send)
         # copies made to move the gradients: buffers, Temp (the ledger's rule);
         # the gradient is what fold() leaves in each shard's .grad
         count_as(send, "Temp")
-        count_as(got, "Temp")
         t0 = time.perf_counter()
-        work = dist.all_to_all_single(got.view(-1), send.view(-1), group=group,
-                                      async_op=True)
+        got, work = send_chunks(send.view(-1), group, category="Temp", async_op=True)
         out.append(Reduction(ps, send, got, work,
                              work.get_future().then(_completed_at), t0, name))
     return out
@@ -235,7 +233,7 @@ def fold(r: Reduction, n: int, spans: list) -> None:
     r.work.wait()
     spans.append(Span("comm", f"reduce_scatter {r.name}", r.issued, r.done.wait(),
                       r.send.nbytes))
-    summed = r.got.view(n, -1).to(torch.float32).sum(0).div_(n)
+    summed = sum_chunks(r.got, n, average=True, dtype=torch.float32)
     for p, mine in zip(r.params, summed.split([p.s for p in r.params])):
         shard = p.shard
         if shard.grad is None:

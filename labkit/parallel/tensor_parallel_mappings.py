@@ -15,9 +15,9 @@ the identity.
 | reduce_scatter_to_sequence_parallel_region   | reduce-scatter 0 | all-gather dim 0 |
 
 Sequence-parallel operators use the sequence-first layout [s, b, h]: a rank's
-shard is rows [r*s/t, (r+1)*s/t) of dim 0. Reduce-scatter is an all-to-all and a
-local sum, as in zero_buckets.py (gloo's reduce_scatter sends all-reduce bytes),
-so the traffic ledger lists it as all_to_all; all-gather is one all_gather_single
+shard is rows [r*s/t, (r+1)*s/t) of dim 0. Reduce-scatter is reduce_scatter.py's
+all-to-all and local sum (gloo's reduce_scatter sends all-reduce bytes), listed by
+the traffic ledger as all_to_all; all-gather is one all_gather_single
 into a 1-D buffer (gloo's all-gather takes only a 1-D output), listed as
 all_gather. A size that does not divide by the group's size raises ValueError.
 """
@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from labkit.parallel.reduce_scatter import send_chunks, sum_chunks
 
 
 def divide(n: int, t: int, what: str) -> int:
@@ -81,15 +83,13 @@ def all_gather_first(x: torch.Tensor, group) -> torch.Tensor:
 
 def reduce_scatter_first(x: torch.Tensor, group) -> torch.Tensor:
     """(s, ...) on each rank -> (s/t, ...): rank r gets rows [r*s/t, (r+1)*s/t)
-    summed over the ranks. An all-to-all sends chunk q to rank q; each rank sums
-    the t chunks it receives, in rank order."""
+    summed over the ranks (reduce_scatter.py: an all-to-all and a local sum)."""
     t = _size(group)
     if t == 1:
         return x
-    rows = divide(x.shape[0], t, "the sequence length (dim 0)")
-    got = torch.empty_like(x, memory_format=torch.contiguous_format)
-    dist.all_to_all_single(got, x.contiguous(), group=group)
-    return got.view(t, rows, *x.shape[1:]).sum(0)
+    divide(x.shape[0], t, "the sequence length (dim 0)")
+    got, _ = send_chunks(x, group)
+    return sum_chunks(got, t)
 
 
 def _keep_last(x: torch.Tensor, group) -> torch.Tensor:

@@ -2,11 +2,8 @@
 bucket (the buckets, the reduce-scatter itself, and stage 2's hooks that run it
 during backward), and the all-gather of the updated parameters.
 
-Reduce-scatter is an all-to-all followed by a local sum: gloo's own reduce_scatter
-sends as much as an all-reduce (2(N-1)/N of the payload, measured in
-tests/test_ledger_traffic.py), an all-to-all exactly the (N-1)/N a ring
-reduce-scatter sends, and it takes the uneven splits of a bucket that straddles two
-ranks' slices. The traffic ledger lists it as all_to_all.
+Reduce-scatter is reduce_scatter.py's all-to-all and local sum, which takes the
+uneven splits of a bucket that straddles two ranks' slices.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from labkit.ledger import count_as
+from labkit.parallel.reduce_scatter import send_chunks, sum_chunks
 
 
 @dataclass(eq=False)
@@ -56,13 +53,12 @@ def reduce_scatter(buf: torch.Tensor, start: int, s: int, out: torch.Tensor,
         # how much of [c0, c1) falls in each rank's range [q*s, (q+1)*s)
         split = [max(0, min(c1, (q + 1) * s) - max(c0, q * s)) for q in range(n)]
         mine = split[r]
-        got = buf.new_empty(n * mine)
-        count_as(got, "Temp")  # a receive buffer: the ZeRO paper's temporary buffer
-        dist.all_to_all_single(got, buf[c0 - start:c1 - start], [mine] * n, split,
-                               group=group)
+        # the receive buffer is the ZeRO paper's temporary buffer: Temp
+        got, _ = send_chunks(buf[c0 - start:c1 - start], group, splits=split,
+                             receive=mine, category="Temp")
         if mine:
             at = max(c0, r * s) - r * s
-            out[at:at + mine].add_(got.view(n, mine).sum(0).div_(n))  # op=AVG
+            out[at:at + mine].add_(sum_chunks(got, n, average=True))  # op=AVG
         del got  # before the next piece's buffer exists
 
 
