@@ -7,12 +7,11 @@ neighbour")."""
 from __future__ import annotations
 
 import linecache
-import os
 import re
 
 from labkit.checks.watch import AnswerRaised
 from labkit.runtime.results import CollectiveTimeout, RankError
-from labkit.runtime.status import is_cell, is_users
+from labkit.runtime.status import innermost_users, line_of
 
 # ------------------------------------------------------------ where it happened
 
@@ -20,12 +19,11 @@ from labkit.runtime.status import is_cell, is_users
 def student_frame(frames):
     """The innermost (file, line, function) of the student's own code: neither
     labkit's, torch's nor the standard library's, nor code generated at run time
-    (labkit.runtime.status.is_users, which status lines use too). None if there
-    is none."""
-    for filename, lineno, name in reversed(frames or []):
-        if is_users(filename):
-            return filename, lineno, name
-    return None
+    (the rule status lines use too: labkit.runtime.status.innermost_users). None
+    if there is none."""
+    frames = list(frames or [])
+    i = innermost_users(frames)
+    return None if i is None else tuple(frames[i])
 
 
 def at_line(frame) -> str:
@@ -34,8 +32,8 @@ def at_line(frame) -> str:
         return ""
     filename, lineno, name = frame
     src = linecache.getline(filename, int(lineno)).strip()
-    where = "your cell" if is_cell(filename) else os.path.basename(filename)
-    return f" at line {lineno} of {where}, in {name}" + (f": `{src}`" if src else "")
+    return f" at {line_of(filename, int(lineno))}, in {name}" + (
+        f": `{src}`" if src else "")
 
 
 def _ranks(rs) -> str:

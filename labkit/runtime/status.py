@@ -59,6 +59,20 @@ def is_users(filename: str) -> bool:
     return not path.startswith(_LIBRARY_DIRS)
 
 
+def innermost_users(stack) -> int | None:
+    """The index in `stack` ((file, line, function), outermost first) of the
+    innermost frame of the student's own code (is_users); None if there is none.
+    Status lines and the checks' explanations (checks/explain.py) both use it."""
+    mine = [i for i, f in enumerate(stack) if is_users(f[0])]
+    return mine[-1] if mine else None
+
+
+def line_of(filename: str, lineno: int) -> str:
+    """'line 4 of your cell', or 'line 4 of ring.py' for a file of theirs."""
+    where = "your cell" if is_cell(filename) else os.path.basename(filename)
+    return f"line {lineno} of {where}"
+
+
 def _library_name(filename: str) -> str:
     if _TORCH_DIR in filename:
         return "torch"
@@ -92,10 +106,9 @@ def _where(status: Status):
     """(the innermost frame of the student's code, the first library frame it
     called), either None."""
     stack = status.stack
-    mine = [i for i, f in enumerate(stack) if is_users(f[0])]
-    if not mine:
+    inner = innermost_users(stack)
+    if inner is None:
         return None, None
-    inner = mine[-1]
     called = stack[inner + 1] if inner + 1 < len(stack) else None
     return stack[inner], called
 
@@ -124,9 +137,8 @@ def describe_live(status: Status) -> str:
         parts.append(f"in {called[2]} ({_library_name(called[0])})")
     if frame is not None:
         filename, lineno, _ = frame
-        where = "your cell" if is_cell(filename) else os.path.basename(filename)
         src = code_only(linecache.getline(filename, lineno))
-        parts.append(f"line {lineno} of {where}" + (f": {src}" if src else ""))
+        parts.append(line_of(filename, lineno) + (f": {src}" if src else ""))
     parts.append(f"{status.seconds:.1f} s")
     return ", ".join(parts) if len(parts) > 1 else f"running, {parts[0]}"
 
