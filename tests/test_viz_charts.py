@@ -288,7 +288,7 @@ def test_link_load_ring_and_3d_torus_draw_every_cable():
 
 
 def test_hierarchy_table_lists_every_source_once_per_level():
-    from labkit.comm import hardware
+    from labkit.theory import hardware
     from labkit.viz.network_charts import hierarchy_table
 
     levels = hardware.H100_HIERARCHY + hardware.TPU_FIGURES

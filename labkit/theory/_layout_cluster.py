@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.theory import hardware
 from labkit.theory._validate import check_counts
 
 # Per-step latency α of a ring collective, seconds. NCCL's own cost model
@@ -17,20 +18,19 @@ from labkit.theory._validate import check_counts
 ALPHA_NVLINK = 3.4e-6
 ALPHA_NETWORK = 14.0e-6
 
-# HBM bandwidth per GPU, bytes/s (datasheets): H100 SXM 3.35 TB/s (NVIDIA H100
-# page, labkit.comm.hardware.H100_HIERARCHY); A100 80 GB SXM 2,039 GB/s (NVIDIA
-# A100 datasheet). The H800 SXM is taken to have the H100 SXM's HBM3 (NVIDIA cut
-# its NVLink, not its memory): an assumption, DeepSeek-AI 2024 gives no figure.
-HBM_H100 = 3.35e12
-HBM_A100 = 2.039e12
+# HBM bandwidth per GPU, bytes/s: hardware.py's datasheet figures. The H800 SXM
+# is taken to have the H100 SXM's HBM3 (NVIDIA cut its NVLink, not its memory):
+# an assumption, DeepSeek-AI 2024 gives no figure.
+HBM_H100 = hardware.HBM3_H100.bandwidth
+HBM_A100 = hardware.HBM2E_A100.bandwidth
 
 # Achieved / peak of a large bf16 matrix product: the "maximum achievable matmul
 # FLOPS" (Bekman, "Machine Learning Engineering", compute/accelerator/README.md,
 # MAMF table, torch 2.6-2.7, best shape of a sweep): H100 SXM 794.5 of 989
 # TFLOPS = 80.3 %, A100 SXM 271.2 of 312 = 86.9 %. The H800 is taken at the
 # H100's (same SMs and clocks).
-GEMM_EFFICIENCY_H100 = 794.5 / 989
-GEMM_EFFICIENCY_A100 = 271.2 / 312
+GEMM_EFFICIENCY_H100 = 794.5e12 / hardware.H100_BF16_DENSE
+GEMM_EFFICIENCY_A100 = 271.2e12 / hardware.A100_BF16_DENSE
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from labkit.units import percent, seconds
 
 # Below this model FLOPs utilisation most of every GPU's time goes to waiting,
 # not to the model's arithmetic. Published large runs reach 35-50 % (Llama 3
-# 405B: 38-43 %, Llama Team 2024, table 4; GPT-3 on Selene about 35-40 %,
+# 405B: 38-43 %, Llama Team 2024, table 4; GPT models of 1.7B to 1T parameters on
+# Selene 44-52 % of peak counting recomputation, about 33-39 % without it,
 # Narayanan et al. 2021, table 1): a layout under a quarter of that is wasteful.
 WASTEFUL_MFU = 0.10
 

@@ -60,8 +60,8 @@ def activations_held(lay: Layout) -> float:
     forward_backward_pipelining_with_interleaving) runs 2(p-1) + (v-1)p chunk
     forwards before its first backward on the first stage, and one more before
     that backward, so v·p + p - 1 chunks of 1/v of the stage's layers are held:
-    p + (p-1)/v micro-batches, p·(1 + (p-1)/(p v)) (Korthikanti et al. 2022
-    give this factor for the interleaved schedule); where m = p, or where
+    p + (p-1)/v micro-batches, p·(1 + (p-1)/(p v)) (Korthikanti et al. 2022,
+    sec. 4.2.3, give this factor for the interleaved schedule); where m = p, or where
     that is more than all v·m chunks, every forward runs first and m are held.
     p = 16, v = 2: 23.5 where 1F1B holds 16; p = 4, v = 2: 5.5 (chapter 10
     measured it). DualPipe: p + 1 (DeepSeek-AI 2024, table 2)."""

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from itertools import product
 
+from labkit.theory import hardware
 from labkit.theory._layout_cluster import (
     ALPHA_NETWORK,
     ALPHA_NVLINK,
@@ -40,12 +41,12 @@ __all__ = ["A100_SELENE", "DEEPSEEK_V3_CLUSTER", "DIMS", "H100_NODE",
            "estimate", "explain", "find", "flops_per_token", "scale"]
 
 # ------------------------------------------------------------------ clusters
-# H100 SXM: 80 GB HBM3, 989 TFLOPS dense bf16 (NVIDIA H100 datasheet); NVLink 4
-# 450 GB/s per direction per GPU, InfiniBand NDR 400 Gb/s = 50 GB/s per GPU (one
-# NIC per GPU): labkit.comm.hardware.H100_HIERARCHY. HBM 3.35 TB/s, GEMMs at
-# 80.3 % of the peak, α 3.4 us (NVLink) and 14 us (network) per ring step: the
+# H100 SXM: 80 GB HBM3, dense bf16 peak, NVLink 4 per direction per GPU and one
+# InfiniBand NDR NIC per GPU: hardware.py. HBM, GEMM efficiency and α: the
 # defaults of Cluster, each sourced in labkit.theory._layout_cluster.
-H100_NODE = Cluster(80e9, 8, 1, 450e9, 50e9, 989e12, name="one H100 node")
+H100_NODE = Cluster(80e9, 8, 1, hardware.NVLINK4_GPU.bandwidth,
+                    hardware.IB_NDR_GPU.bandwidth, hardware.H100_BF16_DENSE,
+                    name="one H100 node")
 # Llama Team 2024, "The Llama 3 Herd of Models", sec. 3.3.1: up to 16K H100 80 GB
 # (700 W) in Grand Teton servers of 8, NVLink inside a server, 400 Gb/s RoCE
 # between GPUs; table 4: 38-43 % BF16 MFU (41 % at 16K GPUs and 8K tokens, 38 %
@@ -56,15 +57,15 @@ LLAMA3_CLUSTER = dataclasses.replace(H100_NODE, nodes=2048,
 # GPUs, 8 per node; NVLink 160 GB/s and InfiniBand 50 GB/s per GPU. The H800's
 # dense bf16 peak is the H100 SXM's (its NVLink is what was cut); DeepSeek-V3 ran
 # its GEMMs in FP8, which this calculator does not model.
-DEEPSEEK_V3_CLUSTER = Cluster(80e9, 8, 256, 160e9, 50e9, 989e12,
+DEEPSEEK_V3_CLUSTER = Cluster(80e9, 8, 256, 160e9, hardware.IB_NDR_GPU.bandwidth,
+                              hardware.H100_BF16_DENSE,
                               name="DeepSeek-V3: 2048 H800 80 GB")
 # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
-# Clusters Using Megatron-LM", sec. 5: Selene, DGX A100 80 GB nodes of 8, NVLink 3
-# (600 GB/s bidirectional: 300 per direction), 8 x 200 Gb/s HDR InfiniBand per
-# node (25 GB/s per GPU); A100 dense bf16 312 TFLOPS, HBM2e 2,039 GB/s (NVIDIA
-# A100 datasheet); GEMMs at 86.9 % of the peak (_layout_cluster).
-A100_SELENE = Cluster(80e9, 8, 192, 300e9, 25e9, 312e12, hbm_bw=HBM_A100,
-                      gemm_efficiency=GEMM_EFFICIENCY_A100,
+# Clusters Using Megatron-LM", sec. 5: Selene, DGX A100 80 GB nodes of 8 (the
+# A100's figures: hardware.py); GEMMs at 86.9 % of the peak (_layout_cluster).
+A100_SELENE = Cluster(80e9, 8, 192, hardware.NVLINK3_GPU.bandwidth,
+                      hardware.IB_HDR_GPU.bandwidth, hardware.A100_BF16_DENSE,
+                      hbm_bw=HBM_A100, gemm_efficiency=GEMM_EFFICIENCY_A100,
                       alpha_intra=ALPHA_NVLINK, alpha_inter=ALPHA_NETWORK,
                       name="Selene: 1536 A100 80 GB")
 
@@ -92,9 +93,10 @@ class PublishedRun:
 
 
 # Llama Team 2024, table 4, the long-context stage: 131,072-token sequences.
-# The row prints DP 4 with 16,384 GPUs, 16 sequences per DP rank and 16M tokens
-# per batch; TP 8 x CP 16 x PP 16 x DP 4 is 8,192 GPUs and 8M tokens, so we take
-# DP 8, which makes the row's GPUs and tokens agree.
+# The first arXiv versions print DP 4 with 16,384 GPUs, 16 sequences per DP rank
+# and 16M tokens per batch; TP 8 x CP 16 x PP 16 x DP 4 is 8,192 GPUs and 8M
+# tokens. The revision (arXiv v3) prints DP 8, which makes the row's GPUs and
+# tokens agree: we take DP 8.
 LLAMA3_LONG_CONTEXT = Layout(tp=8, pp=16, dp=8, cp=16, zero=2, microbatches=16,
                              recompute="selective", interleave=2,
                              name="Llama 3 405B (128K)")

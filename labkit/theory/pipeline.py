@@ -19,8 +19,8 @@ def pipeline_bubble(p: int, m: int, v: int = 1) -> Bubble:
     Idle time is (p-1)/v micro-batch slots against m of work (GPipe, Huang et al.
     2019; 1F1B and the interleaved schedule, Narayanan et al. 2021, "Efficient
     Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", sec.
-    2.2): of_ideal = (p-1)/(v m); of_total = (p-1)/(v m + p - 1), which for v = 1
-    is (p-1)/(m+p-1)."""
+    2.2.1 and 2.2.2): of_ideal = (p-1)/(v m); of_total = (p-1)/(v m + p - 1),
+    which for v = 1 is (p-1)/(m+p-1)."""
     check_counts(p=p, m=m, v=v)
     return Bubble(of_total=(p - 1) / (v * m + p - 1), of_ideal=(p - 1) / (v * m))
 

@@ -42,8 +42,8 @@ def bandwidth_chart(points, fits=None, *, ax=None, metric: str = "busbw",
 
 def hierarchy(levels, *, ax=None, title: str = "Bandwidth by level (published figures)"
               ) -> Figure:
-    """Horizontal bars of bandwidth (log scale) for labkit.hardware Levels; levels
-    with no published figure are listed, not drawn."""
+    """Horizontal bars of bandwidth (log scale) for labkit.theory.hardware
+    Levels; levels with no published figure are listed, not drawn."""
     levels = list(levels)
     fig, ax = _axes(ax, (8, 0.45 * len(levels) + 1.2))
     ys = list(range(len(levels)))[::-1]
@@ -100,7 +100,7 @@ class FiguresTable:
 
 
 def hierarchy_table(levels) -> FiguresTable:
-    """labkit.comm.hardware Levels as a table: figure, note and a link to the
+    """labkit.theory.hardware Levels as a table: figure, note and a link to the
     source of each (the chart's footnotes)."""
     return FiguresTable(levels)
 
