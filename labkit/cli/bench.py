@@ -168,11 +168,28 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def median_step(step, steps: int) -> float:
+    """Median seconds of `steps` calls of step() on this rank, every rank starting
+    each call together (a barrier before it); one call first, untimed: it
+    allocates buffers and builds state (optimizer, buckets)."""
+    import torch.distributed as dist
+
+    times = []
+    for i in range(steps + 1):
+        dist.barrier()
+        t = time.perf_counter()
+        step()
+        if i:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def interleaved_medians(world_size: int, worker, names, rounds: int, steps: int
                         ) -> dict[str, float]:
     """{name: median over rounds of the slowest rank's `worker(rank, n, name,
-    steps)` seconds}. Each round runs every name once, in alternating order, so
-    a slow stretch of a shared machine falls on all of them alike."""
+    steps)` seconds} (workers time their steps with median_step). Each round
+    runs every name once, in alternating order, so a slow stretch of a shared
+    machine falls on all of them alike."""
     import labkit
 
     seconds: dict[str, list[float]] = {k: [] for k in names}

@@ -7,9 +7,8 @@ number here is a timing."""
 from __future__ import annotations
 
 import os
-import statistics
 
-from labkit.cli.bench import Row, interleaved_medians
+from labkit.cli.bench import Row, interleaved_medians, median_step
 
 TARGET = 1.2  # labkit's step / PyTorch's, at most
 NAMES = ("PipelineParallel 1F1B", "torch Schedule1F1B")
@@ -30,10 +29,8 @@ def _model():
 def _time_steps(rank, world_size, name: str, steps: int) -> float:
     """Median seconds of one training step (pipeline forward and backward, SGD
     step) on this rank; the first step (shapes, buffers) is not timed."""
-    import time
 
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     from labkit.parallel.pipeline_parallel import PipelineParallel, split_layers
@@ -60,16 +57,13 @@ def _time_steps(rank, world_size, name: str, steps: int) -> float:
             else:
                 sched.step()
     opt = torch.optim.SGD(params, lr=1e-3)
-    times = []
-    for i in range(steps + 1):
-        dist.barrier()
-        t = time.perf_counter()
+
+    def step():
         run()
         opt.step()
         opt.zero_grad()
-        if i:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+
+    return median_step(step, steps)
 
 
 def bench_pipeline(world_size: int = 2, rounds: int = 5, steps: int = 10) -> list[Row]:

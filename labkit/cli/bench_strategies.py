@@ -14,7 +14,7 @@ import dataclasses
 import os
 import statistics
 
-from labkit.cli.bench import Row, exit_code, table
+from labkit.cli.bench import Row, exit_code, median_step, table
 
 TARGETS = {"DataParallel / DDP": 1.05,
            "ShardedOptimizer / ZeroRedundancyOptimizer": 1.1,
@@ -114,10 +114,8 @@ def _time_steps(rank, world_size, name: str, steps: int,
     """Median seconds per training step of `name` on this rank, the bytes of
     optimizer state it holds after them, and (FSDP's two only) the peak total
     bytes of one more, untimed, step under the memory ledger."""
-    import time
 
     import torch
-    import torch.distributed as dist
 
     from labkit import ledger
 
@@ -139,13 +137,7 @@ def _time_steps(rank, world_size, name: str, steps: int,
         opt.step()
         opt.zero_grad()
 
-    times = []
-    for i in range(steps + 1):  # the first step builds state and buckets: not timed
-        dist.barrier()
-        t = time.perf_counter()
-        step()
-        if i:
-            times.append(time.perf_counter() - t)
+    seconds = median_step(step, steps)  # the first step builds state and buckets
     peak = None
     if name in MEASURED:
         with ledger.memory(module, opt) as m:
@@ -153,7 +145,7 @@ def _time_steps(rank, world_size, name: str, steps: int,
         peak = m.steps[-1].peak_total
     # ZeroRedundancyOptimizer keeps its shard's state in the optimizer it wraps
     held = ledger.holdings(module, getattr(opt, "optim", opt))
-    return statistics.median(times), held.optimizer_state, peak
+    return seconds, held.optimizer_state, peak
 
 
 def bench_strategies(world_size: int = 4, rounds: int = 5, steps: int = 10) -> int:

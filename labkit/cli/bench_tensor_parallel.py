@@ -8,9 +8,8 @@ ceiling."""
 from __future__ import annotations
 
 import os
-import statistics
 
-from labkit.cli.bench import Row, interleaved_medians
+from labkit.cli.bench import Row, interleaved_medians, median_step
 
 TARGET = 1.2  # ParallelMLP / DTensor MLP, step time
 HIDDEN, FFN, SEQ, BATCH = 1024, 4096, 64, 4  # 8.4 M parameters; x is (64, 4, 1024)
@@ -43,25 +42,19 @@ def _model(name: str):
 
 def _time_steps(rank, world_size, name: str, steps: int) -> float:
     """Median seconds of one training step of `name` on this rank."""
-    import time
-
     import torch
-    import torch.distributed as dist
 
     model = _model(name)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)  # the same batch on every rank
     x, y = (torch.randn(SEQ, BATCH, HIDDEN, generator=g) for _ in range(2))
-    times = []
-    for i in range(steps + 1):  # the first step allocates: not timed
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def step():
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+
+    return median_step(step, steps)
 
 
 def bench_tensor_parallel(world_size: int = 2, rounds: int = 5, steps: int = 10
