@@ -292,10 +292,9 @@ class DataParallel(torch.nn.Module):
         grads = [p.grad for p in b.params if p.grad is not None]
         if not grads:
             return
-        alone = len(grads) == 1 and grads[0].is_contiguous()
         b.grads = grads
-        b.flat = grads[0] if alone else torch.cat([g.reshape(-1) for g in grads])
-        if not alone:  # a packed copy to send: a buffer (Temp), not model state
+        b.flat = pack(grads)
+        if b.flat is not grads[0]:  # a packed copy to send: a buffer (Temp)
             count_as(b.flat, "Temp")
         b.issued = time.perf_counter()
         if self.mode == "parameter_server":
@@ -321,10 +320,25 @@ class DataParallel(torch.nn.Module):
                 total += g
             b.flat = total
         b.flat.div_(self.world_size)  # sum -> mean: each rank's loss is a mean
-        if b.flat is not b.grads[0]:
-            flat = b.flat.reshape(-1)  # a lone gradient keeps its shape
-            for g, v in zip(b.grads, flat.split([g.numel() for g in b.grads])):
-                g.copy_(v.view(g.shape))
+        unpack(b.flat, b.grads)
+
+
+def pack(tensors: list) -> torch.Tensor:
+    """One flat tensor to send for `tensors`: a lone contiguous one as it is (no
+    copy), else their concatenation (a copy)."""
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        return tensors[0]
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+@torch.no_grad()
+def unpack(flat: torch.Tensor, tensors: list) -> None:
+    """Copy `flat`, pack(tensors) after a collective, back into `tensors`."""
+    if flat is tensors[0]:
+        return
+    flat = flat.reshape(-1)  # a lone gradient keeps its shape
+    for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(v.view(t.shape))
 
 
 def _completed_at(fut) -> float:

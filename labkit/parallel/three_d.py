@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.parallel.data_parallel import pack, unpack
 from labkit.parallel.pipeline_parallel import PipelineParallel, split_layers
 from labkit.parallel.tensor_parallel import (
     MLP,
@@ -177,15 +178,11 @@ class ThreeD(nn.Module):
         g = self.groups
         if g.dp_size == 1:
             return
-        params = [p for p in self.parameters() if p.grad is not None]
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        flat = pack(grads)  # DataParallel's naive mode with one bucket
         dist.all_reduce(flat, group=g.dp_group)
         flat /= g.dp_size
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p))
-            offset += n
+        unpack(flat, grads)
 
     def extra_repr(self) -> str:
         return f"{self.groups}: {self.groups.coords()}"
