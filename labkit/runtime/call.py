@@ -9,6 +9,8 @@ import selectors
 import time
 import types
 from collections import ChainMap
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import cloudpickle
 
@@ -37,15 +39,30 @@ def _publisher():
     return display_publisher() if live_frontend() else None
 
 
-class Collector:
-    """Runs one call on `ranks` of `cluster` (a labkit.Cluster whose ranks run)."""
+@dataclass(frozen=True)
+class RankLinks:
+    """What a call needs of a cluster whose ranks run (Cluster.links()): each
+    rank's call and status connections, the selector that watches the call
+    connections, the ranks' output files, and how a rank that went silent ended."""
 
-    def __init__(self, cluster, ranks: list[int], timeout: float | None,
+    calls: dict
+    status: dict
+    selector: selectors.BaseSelector
+    output: object  # labkit.runtime.output.RankOutput
+    how_ended: Callable[[int], str]
+    world_size: int
+
+
+class CallInFlight:
+    """One call on `ranks`: sends it, collects each rank's answer or how it
+    failed, asks the ranks still busy what they do, and prints their output."""
+
+    def __init__(self, links: RankLinks, ranks: list[int], timeout: float | None,
                  publish=None):
-        self.cluster = cluster
+        self.links = links
         self.ranks = ranks
         self.timeout = timeout
-        self.output = cluster._output
+        self.output = links.output
         publish = _publisher() if publish is None else publish
         self.view = LiveView(ranks, self.output.width, publish) if publish else None
         self.asked: set[int] = set()  # status requests not yet answered
@@ -53,7 +70,7 @@ class Collector:
         self.failed: dict[int, object] = {}  # rank -> RemoteError, or how it died
 
     def collect(self, payload: bytes) -> RankResults:
-        main = self.cluster._main
+        main = self.links.calls
         for r in self.ranks:
             try:
                 wire.send_bytes(main[r], payload)
@@ -77,12 +94,12 @@ class Collector:
             raise build_error(self.failed, busy, sorted(self.returned), self.timeout)
         return RankResults({r: m.value for r, m in self.returned.items()}, outputs,
                            {r: m.seconds for r, m in self.returned.items()},
-                           self.cluster.world_size)
+                           self.links.world_size)
 
     def _wait(self) -> set[int]:
         """Take in replies until every rank answered, one failed (then GRACE), or
         the timeout; the ranks still pending."""
-        sel = self.cluster._sel
+        sel = self.links.selector
         start = time.monotonic()
         deadline = None if self.timeout is None else start + self.timeout
         pending = set(self.ranks)
@@ -110,7 +127,7 @@ class Collector:
                 data = wire.recv_bytes(key.fileobj)
                 if data is None:
                     sel.unregister(key.fileobj)
-                    self.failed[r] = self.cluster._how_ended(r)
+                    self.failed[r] = self.links.how_ended(r)
                 else:
                     msg = cloudpickle.loads(data)
                     if isinstance(msg, Progress):
@@ -139,7 +156,7 @@ class Collector:
                 self.view.set_status({r: s for r, s in self.view.statuses.items()
                                       if r in pending})
             for r in sorted(pending - self.asked):
-                sock = self.cluster._status.get(r)
+                sock = self.links.status.get(r)
                 if sock is None:
                     continue
                 try:
@@ -147,12 +164,12 @@ class Collector:
                 except OSError:
                     continue
                 self.asked.add(r)
-                self.cluster._sel.register(sock, selectors.EVENT_READ, ("status", r))
+                self.links.selector.register(sock, selectors.EVENT_READ, ("status", r))
         self.view.refresh(now)
 
     def _take_status(self, rank: int) -> None:
-        sock = self.cluster._status[rank]
-        self.cluster._sel.unregister(sock)
+        sock = self.links.status[rank]
+        self.links.selector.unregister(sock)
         self.asked.discard(rank)
         st = wire.recv(sock)
         if st is not None and rank not in self.returned and rank not in self.failed:
@@ -164,7 +181,7 @@ class Collector:
         """Read (and drop) the answers to live status requests still on their way,
         so the status connections are clean for the next question."""
         for r in sorted(self.asked):
-            sock = self.cluster._status[r]
+            sock = self.links.status[r]
             sel.unregister(sock)
             if select_one(sock, STATUS_TIMEOUT)[0]:
                 wire.recv(sock)
@@ -178,7 +195,7 @@ class Collector:
 
     def _ask_status(self, ranks: list[int]) -> dict[int, str]:
         """What each rank still busy is doing (after the call gave up on it)."""
-        status = self.cluster._status
+        status = self.links.status
         asked = []
         for r in ranks:
             try:

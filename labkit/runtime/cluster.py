@@ -33,7 +33,7 @@ from labkit.runtime.backend import (
     make_store,
     resolve_backend,
 )
-from labkit.runtime.call import Collector, pack_call
+from labkit.runtime.call import CallInFlight, RankLinks, pack_call
 from labkit.runtime.forkserver import select_one
 from labkit.runtime.messages import Hello, JoinFailed, RankSpec
 from labkit.runtime.output import RankOutput
@@ -110,7 +110,7 @@ class Cluster:
             try:
                 self._ensure_running()
                 self._calls += 1
-                return Collector(self, ranks, timeout).collect(payload)
+                return CallInFlight(self.links(), ranks, timeout).collect(payload)
             except BaseException:
                 self._stop_ranks()  # unknown state: start clean on the next run
                 raise
@@ -162,6 +162,11 @@ class Cluster:
             print(f"labkit: {dead}; restarting the ranks", file=sys.stderr)
             self._stop_ranks()
         self._start()
+
+    def links(self) -> RankLinks:
+        """The running ranks' connections and output, for one call."""
+        return RankLinks(self._main, self._status, self._sel, self._output,
+                         self._how_ended, self.world_size)
 
     def _how_ended(self, rank: int, wait: float = 2.0) -> str:
         """'killed by SIGKILL', as the forkserver that reaped the rank saw it."""
