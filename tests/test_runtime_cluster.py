@@ -348,6 +348,9 @@ def test_many_runs_leak_no_processes_threads_or_files():
         for _ in range(10):
             c.run(_rank_and_size)
         server = forkserver().proc.pid
+        # steady state: a hand-over to a successor that imports what the layers
+        # asked for (a process more) is not a leak
+        assert forkserver().wait_preloaded(timeout=90)
 
         def counts():
             return (
@@ -379,23 +382,29 @@ def test_import_starts_the_forkserver_only_where_ranks_will_follow():
     assert forced.stdout.strip() == "True"
 
 
-def _preloaded_here(rank, world_size):
+def _preloaded_here(rank, world_size, asked):
     import sys
 
-    from labkit.runtime.forkserver import PRELOAD_WHEN_IDLE
-
-    return all(m in sys.modules for m in PRELOAD_WHEN_IDLE)
+    return {m: m in sys.modules for m in asked}
 
 
 def test_a_successor_forkserver_takes_over_with_more_imported():
     """Ranks of a cluster started before the hand-over import on first use; after
-    it, new ranks come with the memory ledger and torch._dynamo already in."""
+    it, new ranks come with the memory ledger and torch._dynamo already in. The
+    ledger asks for itself (the runtime names no layer above it), and a module
+    asked for after the forkserver started reaches ranks too."""
+    import labkit.ledger  # noqa: F401  (asks the forkserver for itself)
+    from labkit.runtime.forkserver import PRELOAD_WHEN_IDLE, preload_when_idle
+
+    asked = (*PRELOAD_WHEN_IDLE, "labkit.ledger", "wave")
     with labkit.Cluster(2) as c:
+        preload_when_idle("wave")  # the forkserver runs already: a message
         first = forkserver().proc.pid
         # idle after serving: the forkserver forks a successor that imports more
         assert forkserver().wait_preloaded(timeout=90)
         c.restart()
-        assert c.run(_preloaded_here).values == [True, True]
+        got = c.run(_preloaded_here, asked).values
+        assert got == [dict.fromkeys(asked, True)] * 2, f"imported on the ranks: {got}"
         parents = {int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
                    for p in c.pids.values()}
         assert len(parents) == 1 and parents != {first}  # forked by the successor

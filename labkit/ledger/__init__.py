@@ -10,6 +10,7 @@ counts what a model and optimizer hold (both count a DTensor by its local shard)
 when anything runs.
 """
 
+from labkit.runtime import forkserver as _forkserver
 from labkit.ledger.holdings import Holdings, holdings
 from labkit.ledger.memory import CATEGORIES, MemoryLedger, Step, memory
 from labkit.ledger.tagging import count_as, on_host
@@ -27,3 +28,6 @@ __all__ = ["CATEGORIES", "Holdings", "MemoryLedger", "Record", "Step",
            "Span", "TimelineLedger", "TrafficLedger", "count_as", "holdings", "memory",
            "on_host", "overlap_fraction", "summarize", "timeline", "total", "traffic"]
 __all__ += ["by_group"]
+
+# ranks forked from now on start with the ledger imported (DTensor: ~2 s each)
+_forkserver.preload_when_idle(__name__)

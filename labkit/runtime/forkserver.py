@@ -5,12 +5,16 @@ multi-threaded kernel) in its own session; it imports torch once, so a cluster
 starts in a fraction of a second after the first. Ranks are its children: it reaps
 them and reports how each ended. It exits when the kernel does.
 
-Ranks forked later also want what the memory ledger and a first optimizer step
-import (PRELOAD_WHEN_IDLE, ~3.5 s). The forkserver never imports that itself,
-since it could not fork while importing: once idle (1 s after serving a cluster,
-3 s if none came), it forks a successor that imports it and then takes over the
-forking, while the first keeps serving until the successor is
-ready (so a restart after a fault never waits for an import).
+Ranks forked later also want what a first optimizer step imports
+(PRELOAD_WHEN_IDLE) and what the layers above the runtime import (the memory
+ledger, with DTensor: ~2 s); each such layer names itself with
+`preload_when_idle(...)` when the kernel imports it, and the kernel's handle
+passes the names on (a Preload message), so the runtime names no layer above it.
+The forkserver never imports them itself, since it could not fork while
+importing: once idle (1 s after serving a cluster, 3 s if none came), it forks a
+successor that imports them and then takes over the forking, while the first
+keeps serving until the successor is ready (so a restart after a fault never
+waits for an import).
 
 `Forkserver` is the kernel's handle on it; `shared()` the one per kernel.
 """
@@ -33,15 +37,17 @@ from labkit.runtime.messages import (
     ROLE_ENV,
     ForkserverReady,
     RankExited,
+    Preload,
     Spawn,
     Spawned,
     Successor,
 )
 
-# what ranks would otherwise import on first use: the memory ledger (DTensor, ~2 s)
-# and what a rank's first optimizer.step() imports (torch._dynamo, ~1.5 s)
-PRELOAD_WHEN_IDLE = ("labkit.ledger", "torch.distributed._tools.mem_tracker",
-                     "torch._dynamo")
+# what ranks would otherwise import on first use: what a rank's first
+# optimizer.step() imports (torch._dynamo, ~1.5 s) and the memory tracker; layers
+# above add their own (preload_when_idle)
+PRELOAD_WHEN_IDLE = ("torch.distributed._tools.mem_tracker", "torch._dynamo")
+_WANTED: list[str] = list(PRELOAD_WHEN_IDLE)  # ... and what layers above added
 IDLE_BEFORE_PRELOAD = 1.0  # seconds idle after serving a cluster
 IDLE_UNSERVED = 3.0  # ... or after starting, when no cluster came (a student reads)
 
@@ -61,24 +67,30 @@ def serve(ctrl_fd: int, lifeline_fd: int, kernel_pid: int) -> None:
     gone = tuple(fd for fd in (lifeline_fd, _pidfd_open(kernel_pid)) if fd >= 0)
     if os.getppid() != kernel_pid:  # the kernel died while we imported torch
         return
-    _loop(socket.socket(fileno=ctrl_fd), gone, preload=PRELOAD_WHEN_IDLE)
+    _loop(socket.socket(fileno=ctrl_fd), gone, wanted=())
 
 
-def _loop(ctrl: socket.socket, gone: tuple[int, ...], preload: tuple[str, ...]):
+def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...]):
+    """Serve `ctrl` until the kernel is gone. `wanted`: modules asked for so far
+    (Preload); once idle with some not imported, hand over to a successor that
+    imports them (once: a forkserver that handed over only serves until its
+    successor is ready)."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select via wake_w
-    wire.send(ctrl, ForkserverReady(os.getpid(), _preloaded()))
-    served = False
+    wire.send(ctrl, ForkserverReady(os.getpid(), _imported(wanted)))
+    served = handed_over = False
     while True:
+        missing = () if handed_over else tuple(
+            m for m in wanted if m not in sys.modules)
         idle = None
-        if preload:
+        if missing:
             idle = IDLE_BEFORE_PRELOAD if served else IDLE_UNSERVED
         ready, _, _ = select.select([ctrl, wake_r, *gone], [], [], idle)
         if not ready:  # idle: let a successor import more, then take over
-            _start_successor(ctrl, gone, preload, close=(wake_r, wake_w))
-            preload = ()
+            _start_successor(ctrl, gone, wanted, close=(wake_r, wake_w))
+            handed_over = True
             continue
         if any(fd in ready for fd in gone):
             return
@@ -89,7 +101,12 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], preload: tuple[str, ...]):
             msg = wire.recv(ctrl)
             if msg is None:
                 return
-            if isinstance(msg, Spawn):
+            if isinstance(msg, Preload):
+                wanted = tuple(dict.fromkeys((*wanted, *msg.names)))
+                if not handed_over and set(wanted) <= sys.modules.keys():
+                    # imported already (by torch, say): no successor; say so
+                    wire.send(ctrl, ForkserverReady(os.getpid(), wanted))
+            elif isinstance(msg, Spawn):
                 sys.stdout.flush()
                 sys.stderr.flush()
                 keep = (ctrl.fileno(), wake_r, wake_w)
@@ -98,7 +115,7 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], preload: tuple[str, ...]):
                 served = True
 
 
-def _start_successor(ctrl, gone, preload, close) -> None:
+def _start_successor(ctrl, gone, wanted, close) -> None:
     ours, theirs = socket.socketpair()
     pid = os.fork()
     if pid == 0:  # the successor: import, then serve on its own connection
@@ -106,9 +123,9 @@ def _start_successor(ctrl, gone, preload, close) -> None:
             signal.set_wakeup_fd(-1)
             for fd in (ctrl.fileno(), ours.fileno(), *close):
                 os.close(fd)
-            for name in preload:
+            for name in wanted:
                 importlib.import_module(name)
-            _loop(theirs, gone, preload=())
+            _loop(theirs, gone, wanted=wanted)
         finally:
             os._exit(0)
     theirs.close()
@@ -117,8 +134,20 @@ def _start_successor(ctrl, gone, preload, close) -> None:
     ours.close()
 
 
-def _preloaded() -> tuple[str, ...]:
-    return tuple(m for m in PRELOAD_WHEN_IDLE if m in sys.modules)
+def _imported(wanted) -> tuple[str, ...]:
+    return tuple(m for m in wanted if m in sys.modules)
+
+
+def preload_when_idle(*names: str) -> None:
+    """Ask the forkserver to have `names` imported before it forks ranks (when
+    idle, by a successor): a layer above the runtime calls this for itself on
+    import, so that ranks start with it imported."""
+    new = [n for n in names if n not in _WANTED]
+    if not new:
+        return
+    _WANTED.extend(new)
+    if _SHARED is not None and _SHARED.alive():
+        _SHARED.ask_preload(tuple(new))
 
 
 def _reap(ctrl: socket.socket) -> None:
@@ -214,6 +243,8 @@ class Forkserver:
         self.exits: dict[int, str] = {}
         self.preloaded: tuple[str, ...] = ()
         self.lock = threading.RLock()
+        # read once torch is imported there; successors get it again (_take)
+        wire.send(mine, Preload(tuple(_WANTED)))
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -233,12 +264,25 @@ class Forkserver:
             self._ready.add(sock)
             if sock is self._successor:  # it has imported more: it forks from now
                 self.sock, self._successor = sock, None
+            if sock is self.sock:
                 self.preloaded = msg.preloaded
         elif isinstance(msg, Successor):
             _, fds, _, _ = socket.recv_fds(sock, 1, 1)
             self._successor = socket.socket(fileno=fds[0])
             self._socks.append(self._successor)
+            # what was asked for after it was forked, it has not heard of
+            wire.send(self._successor, Preload(tuple(_WANTED)))
         return msg
+
+    def ask_preload(self, names: tuple[str, ...]) -> None:
+        """Tell every forkserver process of ours (the one that forks and a
+        successor on its way) to have `names` imported."""
+        with self.lock:
+            for sock in self._socks:
+                try:
+                    wire.send(sock, Preload(names))
+                except OSError:
+                    pass  # gone: its exit is seen elsewhere
 
     def _drain(self, timeout: float) -> None:
         """Take in whatever arrives within `timeout` seconds (0: only what's there),
@@ -289,9 +333,10 @@ class Forkserver:
                 self.lock.release()
 
     def wait_preloaded(self, timeout: float = 30.0) -> bool:
-        """Wait until the forkserver that forks has imported PRELOAD_WHEN_IDLE."""
+        """Wait until the forkserver that forks has imported what was asked for
+        (PRELOAD_WHEN_IDLE and what layers above added)."""
         end = time.monotonic() + timeout
-        while len(self.preloaded) < len(PRELOAD_WHEN_IDLE):
+        while not set(_WANTED) <= set(self.preloaded):
             if time.monotonic() > end:
                 return False
             with self.lock:

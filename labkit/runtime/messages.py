@@ -53,7 +53,15 @@ class Spawn:
 @dataclass(frozen=True)
 class ForkserverReady:
     pid: int
-    preloaded: tuple[str, ...] = ()  # modules imported beyond torch
+    preloaded: tuple[str, ...] = ()  # of the modules asked for, those imported
+
+
+@dataclass(frozen=True)
+class Preload:
+    """Modules for the forkserver to have imported before it forks ranks: a layer
+    above the runtime names itself (forkserver.preload_when_idle)."""
+
+    names: tuple[str, ...]
 
 
 @dataclass(frozen=True)
