@@ -12,7 +12,8 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from labkit.ledger._torch_memtracker import is_traceable_wrapper_subclass
 
 
 @dataclass(frozen=True)

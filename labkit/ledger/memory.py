@@ -6,13 +6,15 @@
     m.current["Optstate"], m.peak["Activation"], m.at_peak, m.steps[0].peak
 
 Built on PyTorch's own MemTracker (torch.distributed._tools.mem_tracker, tested with
-torch 2.13), which sees every tensor storage created inside the block through a
-TorchDispatchMode, and uses its categories: Parameter, Buffer, Gradient,
-Activation, Temp, Optstate (and Other). Refinements on top of it:
+torch 2.13; every private call is in _torch_memtracker.py), which sees every tensor
+storage created inside the block through a TorchDispatchMode, and uses its
+categories: Parameter, Buffer, Gradient, Activation, Temp, Optstate (and Other).
+Refinements on top of it:
 
 - tensors created inside `optimizer.step()` count as Temp unless they survive the
   step; survivors become Optstate (Adam's m and v) or Gradient (a `.grad` that
-  stays). The peaks inside the step are recomputed with those final categories.
+  stays). The peaks inside the step are recomputed with those final categories
+  (memory_steps.py).
 - parameters the optimizer owns that are not the model's (fp32 master weights in
   mixed precision) count as Optstate, as in the ZeRO paper's K = 12 bytes/param.
 - any number of training steps fit in one block. `steps` has a `Step` per
@@ -37,12 +39,11 @@ Activation, Temp, Optstate (and Other). Refinements on top of it:
   `host_peak`, never in the device categories: storages created inside `on_host()`,
   tensors passed to `count_as(t, category, host=True)`, and what a tracked object's
   `host_resident()` returns ({category: tensors}). On a CPU-only machine host and
-  device are one memory; the ledger still counts where the code means them to be.
+  device are one memory; the ledger still counts where the code means them to be
+  (memory_host.py).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 from torch.optim.optimizer import (
@@ -50,32 +51,20 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from labkit.ledger._torch_memtracker import (
+    CATEGORIES,
+    check_torch_version,
+    tracker_class,
+)
 from labkit.ledger.common import Ledger, current_phase
-from labkit.ledger.holdings import Holdings, has_dtensor, holdings, storages
-from labkit.ledger.tracker import tracker_class
+from labkit.ledger.holdings import Holdings, has_dtensor, holdings
+from labkit.ledger.memory_host import HostMemory
+from labkit.ledger.memory_steps import OptimizerSteps, Step
 
 __all__ = ["CATEGORIES", "Holdings", "MemoryLedger", "Step", "holdings", "memory"]
 
-CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp",
-              "Other")
-TESTED_TORCH = ("2.13",)
 
-
-@dataclass(frozen=True)
-class Step:
-    """One training step: from the end of the previous `optimizer.step()` (or the
-    start of the block) to the end of this one. Bytes by category."""
-
-    peak: dict[str, int] = field(default_factory=dict)  # each category's maximum
-    at_peak: dict[str, int] = field(default_factory=dict)  # when the total peaked
-    current: dict[str, int] = field(default_factory=dict)  # as optimizer.step() ends
-
-    @property
-    def peak_total(self) -> int:
-        return sum(self.at_peak.values())
-
-
-class MemoryLedger(Ledger):
+class MemoryLedger(HostMemory, OptimizerSteps, Ledger):
     """Bytes by category: `current`, `peak` (each category's own maximum),
     `at_peak` (the breakdown when the total peaked), `phase_peaks` and `steps`
     (one `Step` per outermost `optimizer.step()`)."""
@@ -91,26 +80,13 @@ class MemoryLedger(Ledger):
         self.peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.at_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.phase_peaks: dict[str, dict[str, int]] = {}
-        self.steps: list[Step] = []
         self.local_shards = False  # DTensors were met: counted by local shard
         self.cuda_peak: int | None = None  # the CUDA allocator's own peak, on GPUs
         self.cuda_start: int | None = None  # ... and what it held as the block began
         self._tracker = None
         self._handles: list = []
-        self._step_depth = 0
-        self._step_log: list = []  # (winfo, deltas, phase) inside optimizer.step()
-        self._step_new: set = set()
-        self._step_gone: set = set()
-        self._step_start: dict[str, int] = {}
-        self._step_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
-        self._step_at_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
-        # host memory (offloaded state): bytes by category, apart from the device's
-        self.host: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
-        self.host_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
-        self._host: dict = {}  # winfo -> its host category
-        self._host_ctx: list = []  # open on_host() blocks: category or None
-        self._step_host_new: set = set()
-        self._moving = False
+        self._start_steps()  # steps, and what happens inside optimizer.step()
+        self._start_host()  # host, host_peak: offloaded state, apart
 
     # -- public -----------------------------------------------------------------
 
@@ -210,73 +186,26 @@ class MemoryLedger(Ledger):
     # -- bookkeeping --------------------------------------------------------------
 
     def _phase(self) -> str:
-        in_forward = (self._tracker is not None
-                      and len(self._tracker._mod_tracker.parents) > 1)
+        in_forward = self._tracker is not None and self._tracker.in_forward()
         return current_phase(self._phases, bool(self._step_depth), in_forward)
 
     def _phase_entered(self) -> None:
         self._observe(self.current, self._phases[-1])  # a phase allocating nothing
 
-    def _to_host(self, t: torch.Tensor, category: str) -> None:
-        """Count `t`'s storages as host memory of `category` from now on."""
-        self._host_ctx.append(category)  # a storage first seen now: straight to host
-        self._moving = True  # a device one retagged now: not a device peak
-        try:
-            winfos = self._tracker.track_as(t, category)
-        finally:
-            self._host_ctx.pop()
-            self._moving = False
-        for winfo in winfos:
-            old, mem = self._host.get(winfo), winfo.mem_consumed
-            if old == category:
-                continue
-            if old is None:
-                self.current[winfo.reftype.value] -= mem
-            else:
-                self.host[old] -= mem
-            self._host[winfo] = category
-            self._step_host_new.discard(winfo)
-            self._apply(self.host, {category: mem})
-        self._observe_host()
-
-    def _observe_host(self) -> None:
-        for k, v in self.host.items():
-            if v > self.host_peak.get(k, 0):
-                self.host_peak[k] = v
-
     def _change(self, winfo, deltas: dict, new: bool = False, gone: bool = False):
-        deltas = {str(k.value if hasattr(k, "value") else k): v for k, v in
-                  deltas.items()}
-        if winfo in self._host or (new and self._host_ctx):
-            if new:  # made inside on_host(): in a step, Temp until it survives it
-                cat = self._host_ctx[-1]
-                if cat is None:
-                    cat = "Temp" if self._step_depth else "Other"
-                    if self._step_depth:
-                        self._step_host_new.add(winfo)
-                self._host[winfo] = cat
-            self._apply(self.host, {self._host[winfo]: sum(deltas.values())})
-            if gone:
-                del self._host[winfo]
-                self._step_host_new.discard(winfo)
-            self._observe_host()
-            return
-        if self._moving:  # _to_host retags a device storage: no device peak
-            self._apply(self.current, deltas)
-            return
-        if self._step_depth:
-            # inside optimizer.step(): new storages are Temp until they survive it
-            if new and "Optstate" in deltas:
-                deltas = {"Temp": deltas.pop("Optstate"), **deltas}
-                self._step_new.add(winfo)
-            elif winfo in self._step_new:
-                deltas = {("Temp" if k == "Optstate" else k): v
-                          for k, v in deltas.items()}
-            if gone:
-                self._step_gone.add(winfo)
-            self._step_log.append((winfo, deltas, self._phase()))
-            self._apply(self.current, deltas)
-            return
+        """MemTracker saw a storage made (new), freed (gone), resized or retagged:
+        `deltas` is bytes by category. One route for each kind of memory."""
+        if self._is_host(winfo, new):
+            route = self._change_host  # host memory (memory_host.py)
+        elif self._moving:
+            route = self._change_moving  # _to_host retags a device storage
+        elif self._step_depth:
+            route = self._change_in_step  # inside optimizer.step() (memory_steps)
+        else:
+            route = self._change_device
+        route(winfo, deltas, new, gone)
+
+    def _change_device(self, winfo, deltas: dict, new: bool, gone: bool) -> None:
         self._apply(self.current, deltas)
         self._observe(self.current, self._phase())
 
@@ -300,49 +229,6 @@ class MemoryLedger(Ledger):
         if best is None or total > sum(best.values()):
             self.phase_peaks[phase] = dict(snap)
 
-    def _step_pre(self, opt, args, kwargs) -> None:
-        self._step_depth += 1
-        if self._step_depth == 1:
-            self._step_start = dict(self.current)
-            self._step_log, self._step_new, self._step_gone = [], set(), set()
-            self._step_host_new = set()
-            if not self._phases:
-                self._observe(self.current, "optimizer")
-            self._tag_grads([opt])
-
-    def _step_post(self, opt, args, kwargs) -> None:
-        self._step_depth -= 1
-        if self._step_depth:
-            return
-        survivors = self._step_new - self._step_gone
-        # replay the step with survivors as Optstate, so its peaks are right
-        snap = dict(self._step_start)
-        for winfo, deltas, phase in self._step_log:
-            if winfo in survivors:
-                deltas = {("Optstate" if k == "Temp" else k): v
-                          for k, v in deltas.items()}
-            self._apply(snap, deltas)
-            self._observe(snap, phase)
-        self.current = {k: snap.get(k, 0) for k in CATEGORIES}
-        self._step_log, self._step_new, self._step_gone = [], set(), set()
-        # a survivor that is some parameter's .grad (a kept fp32 master grad) is a
-        # Gradient, not optimizer state
-        params = [p for g in opt.param_groups for p in g["params"]]
-        grad_ptrs = {st.data_ptr() for p in params if p.grad is not None
-                     for st in storages(p.grad)}
-        for st, (winfo, _) in list(self._tracker._WINFO.items()):
-            if winfo in survivors and st.data_ptr() in grad_ptrs:
-                self._tracker.retag(winfo, "Gradient")
-        for winfo in self._step_host_new:  # host storages that survived: Optstate
-            self.host["Temp"] -= winfo.mem_consumed
-            self.host["Optstate"] += winfo.mem_consumed
-            self._host[winfo] = "Optstate"
-        self._step_host_new = set()
-        self._observe_host()
-        self.steps.append(Step(dict(self._step_peak), dict(self._step_at_peak),
-                               dict(self.current)))
-        self._step_peak, self._step_at_peak = dict(self.current), dict(self.current)
-
 
 def memory(*tracked) -> MemoryLedger:
     """A ledger of the memory this process holds, by category.
@@ -351,9 +237,5 @@ def memory(*tracked) -> MemoryLedger:
     are counted from the start; everything created inside is tracked by itself.
     Works in a plain process too (no process group needed).
     """
-    if not torch.__version__.startswith(TESTED_TORCH):
-        import warnings
-
-        warnings.warn(f"labkit's memory ledger is tested with torch {TESTED_TORCH}; "
-                      f"this is {torch.__version__}", stacklevel=2)
+    check_torch_version(stacklevel=2)
     return MemoryLedger(*tracked)

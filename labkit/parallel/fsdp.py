@@ -34,13 +34,8 @@ in the same order, and the shards stay consistent. A parameter used in some
 micro-batches (backwards) and not others is sent in those that gave it one:
 its gradient is their sum, as if zeros were sent for the others.
 
-Gradient accumulation over k micro-batches (global batch = micro-batch × k × N):
-each backward reduce-scatters by default, so shard.grad sums them, holding 1/N of
-the gradients (4Ψ/N) for k reduce-scatters a step. set_requires_gradient_sync(
-False) (as FSDP2's; or `with fsdp.no_sync():`) keeps each unit's whole gradient
-instead, summed in fp32 across backwards, and sends nothing; the next backward
-with sync on (or finish) sends the sum: one reduce-scatter a step, for holding
-every unit's whole gradient (4Ψ) between micro-batches, as DDP's no_sync does.
+Each gradient as it arrives, reduce-scattered with its unit's or held whole for
+gradient accumulation (set_requires_gradient_sync, no_sync): fsdp_accumulation.py.
 
 Per unit and step (bytes per rank, Ψ padded elements, 4-byte fp32):
 forward: all-gather, compute, free                 (N-1)/N · 4Ψ
@@ -56,24 +51,12 @@ forward). compute_dtype=bfloat16 gathers and computes in bf16; the shards, their
 gradients and the reduce-scatter's sum stay fp32 (the gradient crosses the wire
 in bf16, the N pieces are summed in fp32: see fsdp_hooks.py).
 
-Activation checkpointing (torch.utils.checkpoint, reentrant or not, or
-labkit.parallel.checkpointing): a forward that runs inside a backward
-(`torch._C._current_graph_task_id() != -1`) is a recompute. A unit's backward
-puts its gathered weights into the module, so a recompute of its body (module
-hooks outside the checkpoint) computes with them. A unit whose hooks run inside
-the recompute (the checkpoint wraps its call, or a module holding several units)
-is gathered by the recompute as forward gathers it, and stays gathered until its
-backward is over: its backward follows (no second all-gather). A reentrant
-checkpoint's inner backward (a new graph task inside ours) is part of the step's
-backward. Peak: the shards, the root (whole through forward, and again through
-backward), the unit computing and the one prefetched; with units inside a
-checkpointed module, all of that module's units, from its recompute until each
-one's backward is over.
+Activation checkpointing (a forward inside a backward is a recompute), and the
+start and end of a backward: fsdp_recompute.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
 import weakref
@@ -82,10 +65,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-from labkit.ledger import count_as
 from labkit.parallel import fsdp_hooks as H
 from labkit.parallel import guards
 from labkit.parallel.events import Span
+from labkit.parallel.fsdp_accumulation import GradientAccumulation
+from labkit.parallel.fsdp_recompute import RecomputeAware, in_backward
 
 
 def has_own_parameters(m: torch.nn.Module) -> bool:
@@ -93,7 +77,8 @@ def has_own_parameters(m: torch.nn.Module) -> bool:
     return any(True for _ in m.parameters(recurse=False))
 
 
-class FullyShardedDataParallel(torch.nn.Module):
+class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
+                               torch.nn.Module):
     """ZeRO-3 over the ranks of `group` (default: all). `events` holds this step's
     spans: compute per unit (between hooks), all-gather issue→done, reduce-scatter
     issue→done. `units` names the wrapped modules, in forward order.
@@ -156,8 +141,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         self._stack: list[H.Unit] = []  # units whose forward is running
         self._pending = False  # backward ran; finish not yet called
         self._backward = guards.Backward(self, "_backward_ended")
-        self._sync = True  # reduce-scatter in each backward
-        self._held: dict[H.Sharded, torch.Tensor] = {}  # whole fp32 gradients
+        self._start_holding()  # set_requires_gradient_sync: fsdp_accumulation
         self._clock: float | None = None  # start of the compute now running
         self._label = ""
         ref = weakref.ref(self)  # hooks must not keep this wrapper alive
@@ -189,7 +173,7 @@ class FullyShardedDataParallel(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if not self._pending:  # a new step: forget the last one's spans
             self._spans = []
-        if torch._C._current_graph_task_id() == -1:  # no backward of ours runs
+        if not in_backward():  # no backward of ours runs
             self._backward.reset()
         self._stack = []
         for u in self._units:
@@ -203,7 +187,7 @@ class FullyShardedDataParallel(torch.nn.Module):
             if u.state == "full":
                 self._release(u)
         if torch.is_grad_enabled():  # the first output gradient starts backward
-            hook = _call(weakref.ref(self), "_backward_started", None)
+            hook = self._hook("_backward_started", None)
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(hook)
@@ -217,22 +201,6 @@ class FullyShardedDataParallel(torch.nn.Module):
                     f"reduce-scattered over the {self.world_size} ranks")
         return None
 
-    def set_requires_gradient_sync(self, requires: bool) -> None:
-        """False: the next backwards keep each unit's whole gradient (fp32,
-        summed across backwards) and send nothing; True (the default): each
-        backward reduce-scatters, the held sums included. finish sends what is
-        still held. Every rank must set the same."""
-        self._sync = bool(requires)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """`with fsdp.no_sync(): loss.backward()`: that backward sends nothing."""
-        before, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = before
-
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         """Send what set_requires_gradient_sync(False) still holds; wait for every
@@ -240,9 +208,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         shard that got a gradient in some backward since the last finish then has
         an fp32 .grad of its shape; one that got none keeps .grad None, so the
         optimizer skips it (as torch.optim does)."""
-        for u in self._units:  # unit order: the same on every rank
-            if any(p in self._held for p in u.trainable):
-                self._reduce(u, force=True)
+        self._send_held()
         self._fold()
         for p in self._replicated:
             if p.requires_grad and p.grad is not None:  # None on every rank: skip
@@ -282,6 +248,10 @@ class FullyShardedDataParallel(torch.nn.Module):
 
     # -- forward -----------------------------------------------------------------
 
+    def _hook(self, method: str, u):
+        """A hook that calls `method` of this wrapper while it lives."""
+        return _call(weakref.ref(self), method, u)
+
     def _tick(self, label: str | None = None) -> None:
         """Close the compute span running since the last hook."""
         now = time.perf_counter()
@@ -317,57 +287,7 @@ class FullyShardedDataParallel(torch.nn.Module):
             if nxt is not None:
                 H.issue_gather(nxt, self.group)
 
-    def _pre_forward(self, u: H.Unit, module, args, kwargs):
-        # inside a backward, a forward is a recompute (activation checkpointing)
-        recompute = torch._C._current_graph_task_id() != -1
-        self._tick(f"{'recompute' if recompute else 'forward'} {u.name}")
-        if u not in self._order:
-            self._order.append(u)
-        self._gather(u)
-        later = self._order[self._order.index(u) + 1:]
-        if recompute:  # the units after it in forward order that backward needs
-            self._prefetch(v for v in later if not v.began and not v.reduced)
-        else:
-            u.ran = True
-            self._stack.append(u)
-            self._prefetch(v for v in later if not v.ran)
-        self._restart_clock()
-        if self.compute_dtype is not None:
-            args, kwargs = (H.cast_floating(args, self.compute_dtype),
-                            H.cast_floating(kwargs, self.compute_dtype))
-        if torch.is_grad_enabled():  # its backward is over once its inputs' is
-            args, kwargs = H.after_backward(
-                args, kwargs, _call(weakref.ref(self), "_post_backward", u))
-        return args, kwargs
-
-    def _post_forward(self, u: H.Unit, module, args, out):
-        self._tick()
-        if torch._C._current_graph_task_id() != -1:
-            # a recompute: its backward follows, so it stays gathered until that
-            # is over (a non-reentrant recompute that stops early never gets here)
-            self._label = "backward"
-        else:
-            self._stack.remove(u)
-            self._release(u)
-            self._label = f"forward {self._stack[-1].name}" if self._stack else \
-                "(outside units)"
-        if torch.is_grad_enabled():  # its output's gradient: its backward is next
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(_call(weakref.ref(self), "_pre_backward", u))
-        self._restart_clock()
-
     # -- backward ----------------------------------------------------------------
-
-    def _backward_started(self, _=None, grad=None) -> None:
-        """Called by every backward hook; acts once per backward. A reentrant
-        checkpoint runs a backward (a new graph task) inside ours: part of it."""
-        if self._backward.seen() or not self._backward.enter():  # inside ours
-            return
-        self._pending = True
-        for u in self._units:
-            u.began, u.got, u.reduced = False, set(), False
-        self._clock, self._label = time.perf_counter(), "backward"
 
     def _pre_backward(self, u: H.Unit, grad):
         self._backward_started()
@@ -383,24 +303,6 @@ class FullyShardedDataParallel(torch.nn.Module):
         self._restart_clock()
         return None
 
-    def _grad_ready(self, u: H.Unit, leaf) -> None:
-        self._tick()
-        u.got.add(id(leaf))
-        if not self._sync:  # hold it, whole, in fp32: sent in a later backward
-            p = next(p for p in u.trainable if p.leaf is leaf)
-            with torch.no_grad():
-                if p in self._held:
-                    self._held[p].add_(leaf.grad)
-                else:
-                    self._held[p] = leaf.grad.to(torch.float32)
-            count_as(self._held[p], "Gradient")
-            leaf.grad = None
-        if len(u.got) == len(u.trainable):  # every one: send them now
-            self._reduce(u)
-            if len(u.trainable) == len(u.params):  # no frozen one still needed
-                self._release(u)  # before the reduce-scatter allocates: a lower
-        self._restart_clock()  # peak
-
     def _post_backward(self, u: H.Unit) -> None:
         """The gradients of `u`'s inputs are computed: its backward is over. Send
         the gradients it got (a parameter that got none: not sent), free it."""
@@ -411,41 +313,10 @@ class FullyShardedDataParallel(torch.nn.Module):
             self._release(u)
         self._restart_clock()
 
-    @torch.no_grad()
-    def _reduce(self, u: H.Unit, force: bool = False) -> None:
-        """Reduce-scatter the gradients `u`'s parameters have, with what was held
-        for them (each rank has the same ones, in the same order: see the
-        module's docstring); with sync off, nothing (finish: force)."""
-        u.reduced = True
-        if not (self._sync or force):
-            return
-        for p in u.trainable:  # the held sum and this backward's, as one
-            held = self._held.pop(p, None)
-            if held is not None:
-                if p.leaf.grad is not None:
-                    held.add_(p.leaf.grad)
-                p.leaf.grad = held.to(p.full.dtype)  # on the wire as forward's
-        send = [p for p in u.trainable if p.leaf.grad is not None]
-        if not send:
-            return
-        self._fold()  # at most one unit's reduce-scatter in flight
-        self._reductions = H.launch_reduce(send, self.group, self.world_size,
-                                           u.name)
-
     def _fold(self) -> None:
         for r in self._reductions:
             H.fold(r, self.world_size, self._spans)
         self._reductions = []
-
-    def _backward_ended(self) -> None:
-        self._tick()
-        self._clock = None
-        for u in self._units:  # a unit whose backward never said it was over
-            if any(p.leaf.grad is not None for p in u.trainable):
-                self._reduce(u)
-            H.wait_gather(u, self._spans)
-            if u.state == "full":
-                self._release(u)
 
 
 def _say_replicated(module, replicated) -> None:

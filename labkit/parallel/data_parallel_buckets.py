@@ -1,0 +1,67 @@
+"""DataParallel's buckets: the gradients sent together as one flat tensor (pack,
+unpack), filled by DDP's rule, each holding its collective while it is in
+flight."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """Gradients sent together, and their collective while it is in flight."""
+
+    index: int
+    params: list
+    names: list
+    ready: int = 0  # gradients ready in this backward (overlap)
+    grads: list | None = None  # the gradients flattened into `flat`
+    flat: torch.Tensor | None = None  # what was sent (the grad itself if alone)
+    gathered: list | None = None  # the server's receive buffers (parameter_server)
+    work: object = None  # the async collective
+    done: object = None  # future of time.perf_counter() at completion
+    issued: float = 0.0
+
+
+def pack(tensors: list) -> torch.Tensor:
+    """One flat tensor to send for `tensors`: a lone contiguous one as it is (no
+    copy), else their concatenation (a copy)."""
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        return tensors[0]
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+@torch.no_grad()
+def unpack(flat: torch.Tensor, tensors: list) -> None:
+    """Copy `flat`, pack(tensors) after a collective, back into `tensors`."""
+    if flat is tensors[0]:
+        return
+    flat = flat.reshape(-1)  # a lone gradient keeps its shape
+    for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(v.view(t.shape))
+
+
+def _completed_at(fut) -> float:
+    fut.value()  # re-raises a failed collective's error
+    return time.perf_counter()
+
+
+def _make_buckets(named, cap: float | None,
+                  first_cap: float | None = None) -> list[_Bucket]:
+    """Fill buckets in order; close one once it holds >= cap bytes (DDP's rule;
+    the first bucket >= first_cap, so the first all-reduce starts early)."""
+    groups: list[list] = []
+    size = 0.0
+    for name, p in named:
+        new_dtype = bool(groups) and p.dtype != groups[-1][0][1].dtype
+        limit = first_cap if len(groups) == 1 and first_cap is not None else cap
+        if not groups or cap is None or size >= limit or new_dtype:
+            groups.append([])
+            size = 0.0
+        groups[-1].append((name, p))
+        size += p.numel() * p.element_size()
+    return [_Bucket(i, [p for _, p in g], [n for n, _ in g])
+            for i, g in enumerate(groups)]
