@@ -126,7 +126,7 @@ def test_strategy_rows_fsdp_time_and_peak_memory_ratios():
 def test_roofline_rows_hold_each_product_between_floor_and_roof():
     """Made-up timings against the calculator's own roofline prices."""
     from labkit.cli.bench_roofline import cluster_for, roofline_rows, shapes
-    from labkit.theory._layout_roofline import gemm_time
+    from labkit.theory import gemm_time
 
     h100 = cluster_for("NVIDIA H100 80GB HBM3")
     assert h100 is not None and cluster_for("NVIDIA H800").hbm_bw == h100.hbm_bw

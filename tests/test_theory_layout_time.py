@@ -6,10 +6,21 @@ import dataclasses
 import pytest
 
 from labkit import theory
-from labkit.theory._layout_cluster import GEMM_EFFICIENCY_H100
-from labkit.theory._layout_roofline import compute_slowdown, gemm_time, layer_gemms
-from labkit.theory._layout_time import dp_latency_of, group_nodes, ring_latency
-from labkit.theory.layouts import H100_NODE, PUBLISHED_RUNS, Layout, estimate
+from labkit.theory.layout import (
+    H100_NODE,
+    PUBLISHED_RUNS,
+    Layout,
+    activations_held,
+    compute_slowdown,
+    estimate,
+    flops_per_token,
+    gemm_time,
+    layer_gemms,
+    ring_latency,
+)
+from labkit.theory.layout.cluster import GEMM_EFFICIENCY_H100
+from labkit.theory.layout.layout import group_nodes
+from labkit.theory.layout.time import dp_latency_of
 
 M = theory.MODELS
 
@@ -121,7 +132,7 @@ def test_llama3_mfu_reproduced():
     assert est.mfu > 0.41  # optimistic, as said
     # MFU is the model's FLOPs at the peak over the step
     c = M["llama3-405b"]
-    want = theory.layouts.flops_per_token(c, 8192) * 2048 * 8192 / 16384 / 989e12
+    want = flops_per_token(c, 8192) * 2048 * 8192 / 16384 / 989e12
     assert est.model_time == pytest.approx(want)
 
 
@@ -135,16 +146,12 @@ def test_llama3_mfu_reproduced():
     (4, 5, 2, 5),         # fewer than p + (p-1)/v micro-batches: all of them
 ])
 def test_activations_held_by_schedule(p, m, v, held):
-    from labkit.theory._layout_time import activations_held
-
     assert activations_held(Layout(pp=p, microbatches=m, interleave=v)) == held
 
 
 def test_activations_held_counts_megatron_interleaved_warmup():
     # Megatron-LM's first stage runs 2(p-1) + (v-1)p chunk forwards, then one
     # more before its first backward: v p + p - 1 chunks of 1/v of the stage
-    from labkit.theory._layout_time import activations_held
-
     for p in (2, 4, 8, 16):
         for v in (2, 3, 4):
             chunks = min(2 * (p - 1) + (v - 1) * p + 1, v * 4 * p)

@@ -1,20 +1,23 @@
-"""labkit.theory.layouts: published layouts through the calculator, and the chooser."""
+"""labkit.theory.layout: published layouts through the calculator, and the chooser."""
 
 import dataclasses
 
 import pytest
 
 from labkit import theory
-from labkit.theory.layouts import (
+from labkit.theory.layout import (
+    DEEPSEEK_V3_CLUSTER,
     H100_NODE,
     LLAMA3_CLUSTER,
     PUBLISHED_RUNS,
+    WASTEFUL_MFU,
     Layout,
     choose,
     estimate,
     explain,
     find,
     flops_per_token,
+    scale,
 )
 
 M = theory.MODELS
@@ -100,7 +103,7 @@ def test_llama3_traffic_and_compute():
     assert est.traffic["cp"] == est.traffic["ep"] == 0
     # compute: 6N + attention FLOPs per token, 16M tokens over 16,384 GPUs at the
     # GEMM efficiency of 989 TFLOPS (no recomputation): every product of a layer
-    # on 8192 tokens with TP 8 is compute-bound (see test_layout_time.py)
+    # on 8192 tokens with TP 8 is compute-bound (see test_theory_layout_time.py)
     want = flops_per_token(c, 8192) * 2048 * 8192 / 16384 / (989e12 * 794.5 / 989)
     assert est.time["compute"] == pytest.approx(want)
     assert est.gemm_slowdown == pytest.approx(989 / 794.5)
@@ -216,10 +219,7 @@ def test_bad_layout_fields_raise():
 
 
 def test_scale_says_how_many_gpus_a_model_can_use_well():
-    from labkit.theory.layouts import LLAMA3_CLUSTER, WASTEFUL_MFU, scale
-    from labkit.theory.models import MODELS
-
-    seq = MODELS["gpt2-small"].seq
+    seq = M["gpt2-small"].seq
     small = scale("gpt2-small", LLAMA3_CLUSTER, 1024 * seq, seq)
     # 124M parameters x 16 B of model states fit one 80 GB GPU; on all 16,384
     # the fastest layout keeps them busy well under WASTEFUL_MFU
@@ -237,10 +237,7 @@ def test_scale_says_how_many_gpus_a_model_can_use_well():
 def test_dualpipe_leaves_a_dense_model_no_all_to_all_time():
     # what DualPipe cannot hide of the PP sends stays PP's: a model without
     # experts has no EP all-to-alls to charge (the chart would show a false EP)
-    from labkit.theory.layouts import DEEPSEEK_V3_CLUSTER, choose
-    from labkit.theory.models import MODELS
-
-    seq = MODELS["gpt2-small"].seq
+    seq = M["gpt2-small"].seq
     ranked = choose("gpt2-small", DEEPSEEK_V3_CLUSTER, 1024 * seq, seq)
     duals = [r for r in ranked if r.layout.dualpipe]
     assert duals and all(r.estimate.time["ep"] == 0 for r in duals)

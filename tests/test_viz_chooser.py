@@ -4,7 +4,15 @@ import re
 
 import pytest
 
-from labkit.theory.layouts import LLAMA3_CLUSTER, PUBLISHED_RUNS, WASTEFUL_MFU, find
+from labkit.theory import (
+    H100_NODE,
+    LLAMA3_CLUSTER,
+    PUBLISHED_RUNS,
+    WASTEFUL_MFU,
+    choose,
+    find,
+    gemm_time,
+)
 from labkit.units import seconds
 from labkit.viz.chooser import (
     TIME_LABELS,
@@ -107,8 +115,6 @@ def test_step_time_bars_legend_only_what_is_drawn():
     # Llama 3 405B's five fastest layouts send nothing exposed between pipeline
     # stages and have no experts: no PP or EP colour, so no PP or EP legend entry
     run = PUBLISHED_RUNS["llama3-405b"]
-    from labkit.theory.layouts import choose
-
     ranked = choose(run.model, run.cluster, run.global_batch_tokens, run.seq)
     assert all(r.estimate.time["pp"] == 0 == r.estimate.time["ep"]
                for r in ranked[:5])
@@ -126,9 +132,6 @@ def test_step_time_bars_legend_only_what_is_drawn():
 
 
 def test_gemm_roofline_draws_the_roof_and_each_product():
-    from labkit.theory._layout_roofline import gemm_time
-    from labkit.theory.layouts import H100_NODE
-
     gemms = {"QKV, 8192 tokens": (8192, 2304, 16384),
              "QKV, 64 tokens": (64, 2304, 16384)}
     fig = gemm_roofline(H100_NODE, gemms)

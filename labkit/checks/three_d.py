@@ -133,8 +133,7 @@ RING_CASES = (("all_reduce", 268e6, 8, 1), ("reduce_scatter", 64e6, 16, 2),
 def _ring_seconds(op, size, n, nodes, cl, alpha_in=None, alpha_out=None, bw=None):
     """The calculator's own α-β price (theory's ring_latency and
     ring_bytes_per_rank), with a slip's α or bandwidth in place of the right one."""
-    from labkit.theory import ring_bytes_per_rank
-    from labkit.theory._layout_time import ring_latency
+    from labkit.theory import ring_bytes_per_rank, ring_latency
 
     a_in = cl.alpha_intra if alpha_in is None else alpha_in
     a_out = cl.alpha_inter if alpha_out is None else alpha_out
@@ -146,13 +145,13 @@ def _ring_seconds(op, size, n, nodes, cl, alpha_in=None, alpha_out=None, bw=None
 def check_ring_seconds(fn, cluster=None) -> bool:
     """`fn(op, size, n, nodes, cluster)`: the α-β seconds of a ring collective of
     `size` bytes over n ranks spread on `nodes` nodes of `cluster` (a
-    theory.layouts.Cluster): the ring's steps, those between nodes at
+    theory.Cluster): the ring's steps, those between nodes at
     alpha_inter and the rest at alpha_intra, plus the bytes each rank sends over
     NVLink (one node) or the network. Checked on four collectives, from one
     node to 2048; the first wrong one is named, with what it looks like you
     left out."""
     from labkit.checks.common import NOT_WRITTEN, call_answer
-    from labkit.theory.layouts import LLAMA3_CLUSTER
+    from labkit.theory import LLAMA3_CLUSTER
 
     cl = cluster or LLAMA3_CLUSTER
     for op, size, n, nodes in RING_CASES:
@@ -263,7 +262,7 @@ LONG_CONTEXT_CP = 32  # the layout the student reasons about: CP 32 x DP 4
 def _long_context_pair():
     import dataclasses
 
-    from labkit.theory.layouts import PUBLISHED_RUNS, estimate
+    from labkit.theory import PUBLISHED_RUNS, estimate
     from labkit.theory.models import MODELS
 
     run = PUBLISHED_RUNS["llama3-405b-128k"]
@@ -282,7 +281,7 @@ def check_traffic_ratios(fn) -> bool:
     per step in that dimension when Llama 3 405B's long-context layout (TP 8,
     PP 16, CP 16, DP 8, ZeRO-2, interleaved v = 2, 128 sequences of 131,072 per
     step, one per micro-batch) becomes CP 32 x DP 4, divided by the published
-    layout's. Compared with what theory.layouts.estimate prices for both (the
+    layout's. Compared with what theory.estimate prices for both (the
     chapter's section 7); the first dimension that is off is named with what it
     looks like was missed."""
     from labkit.checks.common import NOT_WRITTEN, call_answer

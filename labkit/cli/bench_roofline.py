@@ -22,7 +22,7 @@ COPIES = 6  # operand sets cycled through, so that no product finds its operands
 
 def cluster_for(device_name: str):
     """The calculator's cluster constants for this GPU, or None if it has none."""
-    from labkit.theory.layouts import A100_SELENE, H100_NODE
+    from labkit.theory import A100_SELENE, H100_NODE
 
     name = device_name.upper()
     if "H100" in name or "H800" in name:
@@ -34,7 +34,7 @@ def cluster_for(device_name: str):
 
 def shapes() -> dict[str, tuple[float, float, float]]:
     """{label: (m, n, k)}: the products chapter 12's roofline chart places."""
-    from labkit.theory._layout_roofline import layer_gemms
+    from labkit.theory import layer_gemms
     from labkit.theory.models import MODELS
 
     out = {}
@@ -73,7 +73,7 @@ def time_gemm(m: int, n: int, k: int, reps: int = 20) -> float:
 def roofline_rows(measured: dict[str, float], cluster) -> list[Row]:
     """Rows of measured speed / roofline speed, each with its floor and ceiling;
     `measured` is {label: seconds} for the labels of `shapes()`."""
-    from labkit.theory._layout_roofline import gemm_time
+    from labkit.theory import gemm_time
 
     rows = []
     for label, (m, n, k) in shapes().items():
@@ -99,7 +99,7 @@ def bench_roofline() -> int:
     cluster = cluster_for(name)
     if cluster is None:
         print(f"bench roofline: no roofline constants for {name} in "
-              "labkit.theory.layouts (it has the H100/H800 and the A100)")
+              "labkit.theory.layout (it has the H100/H800 and the A100)")
         return 2
     print(f"labkit bench roofline: {name}, torch {torch.__version__}, against "
           f"{cluster.name}'s constants (all timings)")

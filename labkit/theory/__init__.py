@@ -6,7 +6,15 @@ has GB = 1e9 and GiB = 2**30). Every formula names its source, and
 tests/test_theory_*.py hold each to a published number.
 """
 
-from labkit.theory.activations import activation_memory, activation_terms
+from labkit.theory import hardware
+from labkit.theory._validate import check_counts
+from labkit.theory.activations import (
+    RECOMPUTE,
+    SCORE_TERMS,
+    TERM_GROUP,
+    activation_memory,
+    activation_terms,
+)
 from labkit.theory.collective_cost import (
     COLLECTIVES,
     AlphaBeta,
@@ -15,6 +23,23 @@ from labkit.theory.collective_cost import (
     fit_alpha_beta,
     latency_steps,
     ring_bytes_per_rank,
+)
+from labkit.theory.layout import (
+    A100_SELENE,
+    H100_NODE,
+    LLAMA3_CLUSTER,
+    PUBLISHED_RUNS,
+    WASTEFUL_MFU,
+    Cluster,
+    choose,
+    estimate,
+    explain,
+    find,
+    flops_per_token,
+    gemm_time,
+    layer_gemms,
+    ring_latency,
+    scale,
 )
 from labkit.theory.models import MODELS, PUBLISHED_PARAMS, ModelConfig, param_count
 from labkit.theory.pipeline import (
@@ -55,3 +80,9 @@ __all__ = [
 ]
 __all__ += ["LayerParams", "LayerTraffic", "activation_terms", "layer_params",
             "layer_traffic", "zero_bubble_h1"]
+# the layout calculator (labkit.theory.layout): what chapters and other layers use
+__all__ += ["A100_SELENE", "H100_NODE", "LLAMA3_CLUSTER", "PUBLISHED_RUNS",
+            "WASTEFUL_MFU", "Cluster", "choose", "estimate", "explain", "find",
+            "flops_per_token", "gemm_time", "layer_gemms", "ring_latency", "scale"]
+# for chapters and the layers above (tests/test_public_faces.py)
+__all__ += ["RECOMPUTE", "SCORE_TERMS", "TERM_GROUP", "check_counts", "hardware"]

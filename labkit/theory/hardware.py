@@ -1,6 +1,6 @@
 """Published hardware figures, each with its source. Nothing here is measured;
-chapter 03 draws them and the layout calculator (layouts.py, _layout_cluster.py)
-prices its clusters with them: each figure is written here once.
+chapter 03 draws them and the layout calculator (labkit.theory.layout, its
+cluster.py) prices its clusters with them: each figure is written here once.
 
 Bandwidths are bytes per second (GB = 1e9 B), per direction unless `direction`
 says otherwise. Where no vendor figure exists the entry says so instead of

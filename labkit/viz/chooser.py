@@ -12,13 +12,14 @@ import html
 import ipywidgets as W
 from matplotlib.figure import Figure
 
-from labkit.theory.layouts import (
+from labkit.theory import (
     PUBLISHED_RUNS,
     WASTEFUL_MFU,
     Cluster,
     choose,
     explain,
     find,
+    gemm_time,
     scale,
 )
 from labkit.theory.models import MODELS
@@ -84,8 +85,6 @@ def gemm_roofline(cluster: Cluster, gemms: dict, *, title: str = "") -> Figure:
     TFLOPS against arithmetic intensity (FLOPs per byte of HBM traffic), the
     roof min(peak x gemm_efficiency, intensity x HBM bandwidth), and each bf16
     product {label: (m, n, k)} as a point on it."""
-    from labkit.theory._layout_roofline import gemm_time
-
     peak = cluster.flops * cluster.gemm_efficiency
     ridge = peak / cluster.hbm_bw
     pts = {name: (2 * m * n * k / (2 * (m * k + k * n + m * n)),
@@ -150,7 +149,7 @@ class StrategyChooser(W.VBox):
         self.table = W.HTML()
         self.out = W.Output()
         self.last: list = []
-        self.scale = None  # what the model can use well (theory.layouts.scale)
+        self.scale = None  # what the model can use well (theory.scale)
         self.figure = None
         self.value = ""  # the table as plain text, for tests and screen readers
         self._syncing = False

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from labkit.theory.layout.cluster import Cluster
+from labkit.theory.layout.ranking import Ranked, choose
+from labkit.theory.models import MODELS, ModelConfig
 from labkit.units import percent, seconds
 
 # Below this model FLOPs utilisation most of every GPU's time goes to waiting,
@@ -26,12 +29,12 @@ class Scale:
     that many GPUs (None where no layout fits)."""
 
     model: str
-    gpus: int               # offered
-    best: object            # Ranked on all of them, or None
-    fewest: int | None      # the fewest GPUs some layout fits on
-    at_fewest: object
-    suggested: int | None   # the most GPUs whose fastest layout is not wasteful
-    at_suggested: object
+    gpus: int                   # offered
+    best: Ranked | None         # the fastest on all of them
+    fewest: int | None          # the fewest GPUs some layout fits on
+    at_fewest: Ranked | None
+    suggested: int | None       # the most GPUs whose fastest layout is not wasteful
+    at_suggested: Ranked | None
 
     @property
     def wasteful(self) -> bool:
@@ -41,9 +44,9 @@ class Scale:
         """Plain sentences: where it fits, and whether using every GPU is sane."""
         if self.fewest is None:
             return ""
-        def run(r) -> str:
-            return (f"{r.layout}, {seconds(r.step_time)} per step, "
-                    f"{percent(r.estimate.mfu)} MFU")
+        def run(ranked: Ranked) -> str:
+            return (f"{ranked.layout}, {seconds(ranked.step_time)} per step, "
+                    f"{percent(ranked.estimate.mfu)} MFU")
         gpu = "GPU" if self.fewest == 1 else "GPUs"
         text = (f"{self.model} fits on as few as {self.fewest:,} {gpu} "
                 f"({run(self.at_fewest)}).")
@@ -63,43 +66,46 @@ class Scale:
 
 
 def _counts(gpus: int) -> list[int]:
-    out, x = [], 1
-    while x < gpus:
-        out.append(x)
-        x *= 2
+    out, count = [], 1
+    while count < gpus:
+        out.append(count)
+        count *= 2
     return out + [gpus]
 
 
-def scale(choose, model: str, cluster, global_batch_tokens: int, seq: int,
-          ranked: list | None = None, inter_node_tp: bool = False) -> Scale:
-    """The fewest GPUs (1, 2, 4, ..., all) the model fits on, and, where the
-    fastest layout on all of them is wasteful, the most GPUs whose fastest layout
-    is not (or, if none is, the count whose fastest layout does best).
-    `choose` is labkit.theory.layouts.choose (passed in: this module sits under
-    it)."""
-    def best_on(g: int):
-        r = choose(model, cluster, global_batch_tokens, seq, max_gpus=g,
-                   inter_node_tp=inter_node_tp)
-        return r[0] if r else None
+def scale(model: ModelConfig | str, cluster: Cluster, global_batch_tokens: int,
+          seq: int, ranked: list[Ranked] | None = None,
+          inter_node_tp: bool = False) -> Scale:
+    """The fewest GPUs (1, 2, 4, ..., all) the model fits on and, where its
+    fastest layout on all of `cluster` reaches under WASTEFUL_MFU, the most GPUs
+    on which one does not (or, if none does, the count whose fastest layout does
+    best); `.advice()` says it in sentences. `ranked`: choose()'s answer on the
+    whole cluster, where the caller has it."""
+    def best_on(gpus: int) -> Ranked | None:
+        on_these = choose(model, cluster, global_batch_tokens, seq, max_gpus=gpus,
+                          inter_node_tp=inter_node_tp)
+        return on_these[0] if on_these else None
 
     counts = _counts(cluster.gpus)
     ranked = choose(model, cluster, global_batch_tokens, seq,
                     inter_node_tp=inter_node_tp) if ranked is None else ranked
     best = ranked[0] if ranked else None
     fewest = at_fewest = None
-    for g in counts:
-        at_fewest = best_on(g) if g < cluster.gpus else best
+    for gpus in counts:
+        at_fewest = best_on(gpus) if gpus < cluster.gpus else best
         if at_fewest is not None:
-            fewest = g
+            fewest = gpus
             break
     suggested = at_suggested = None
     if fewest is not None and best is not None and \
             best.estimate.mfu < WASTEFUL_MFU:
-        tried = [(g, best_on(g)) for g in counts if fewest <= g < cluster.gpus]
-        tried = [(g, r) for g, r in tried if r is not None] + [(cluster.gpus, best)]
-        good = [(g, r) for g, r in tried if r.estimate.mfu >= WASTEFUL_MFU]
+        tried = [(gpus, best_on(gpus)) for gpus in counts
+                 if fewest <= gpus < cluster.gpus]
+        tried = [(gpus, r) for gpus, r in tried if r is not None] + [
+            (cluster.gpus, best)]
+        good = [(gpus, r) for gpus, r in tried if r.estimate.mfu >= WASTEFUL_MFU]
         suggested, at_suggested = good[-1] if good else max(
-            tried, key=lambda gr: gr[1].estimate.mfu)
-    name = getattr(model, "name", model)
+            tried, key=lambda pair: pair[1].estimate.mfu)
+    name = MODELS[model].name if isinstance(model, str) else model.name
     return Scale(name, cluster.gpus, best, fewest, at_fewest, suggested,
                  at_suggested)

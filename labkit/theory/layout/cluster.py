@@ -1,8 +1,12 @@
 """The cluster a layout runs on: memory, links, latencies and the GPU's speed,
-each constant with its source."""
+each constant with its source, and the clusters of the published runs.
+
+Hardware figures (memory, bandwidths, peaks) come from labkit.theory.hardware,
+where each is written once."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from labkit.theory import hardware
@@ -56,12 +60,13 @@ class Cluster:
 
     def __post_init__(self):
         check_counts(gpus_per_node=self.gpus_per_node, nodes=self.nodes)
-        for d in ("gpu_memory", "intra_bw", "inter_bw", "flops", "hbm_bw"):
-            if getattr(self, d) <= 0:
-                raise ValueError(f"{d} must be > 0, got {getattr(self, d)!r}")
-        for d in ("alpha_intra", "alpha_inter"):
-            if getattr(self, d) < 0:
-                raise ValueError(f"{d} must be >= 0 s, got {getattr(self, d)!r}")
+        for field in ("gpu_memory", "intra_bw", "inter_bw", "flops", "hbm_bw"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be > 0, got {getattr(self, field)!r}")
+        for field in ("alpha_intra", "alpha_inter"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field} must be >= 0 s, got "
+                                 f"{getattr(self, field)!r}")
         if not 0 < self.gemm_efficiency <= 1:
             raise ValueError(f"gemm_efficiency must be in (0, 1], got "
                              f"{self.gemm_efficiency!r}")
@@ -69,3 +74,32 @@ class Cluster:
     @property
     def gpus(self) -> int:
         return self.gpus_per_node * self.nodes
+
+
+# H100 SXM: 80 GB HBM3, dense bf16 peak, NVLink 4 per direction per GPU and one
+# InfiniBand NDR NIC per GPU: hardware.py. HBM, GEMM efficiency and α: the
+# defaults of Cluster, each sourced above.
+H100_NODE = Cluster(80e9, 8, 1, hardware.NVLINK4_GPU.bandwidth,
+                    hardware.IB_NDR_GPU.bandwidth, hardware.H100_BF16_DENSE,
+                    name="one H100 node")
+# Llama Team 2024, "The Llama 3 Herd of Models", sec. 3.3.1: up to 16K H100 80 GB
+# (700 W) in Grand Teton servers of 8, NVLink inside a server, 400 Gb/s RoCE
+# between GPUs; table 4: 38-43 % BF16 MFU (41 % at 16K GPUs and 8K tokens, 38 %
+# at 131K). NCCL's α over RoCE is taken to be its network figure.
+LLAMA3_CLUSTER = dataclasses.replace(H100_NODE, nodes=2048,
+                                     name="Llama 3: 16,384 H100 80 GB")
+# DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", sec. 3.1 and 3.2.2: 2048 H800
+# GPUs, 8 per node; NVLink 160 GB/s and InfiniBand 50 GB/s per GPU. The H800's
+# dense bf16 peak is the H100 SXM's (its NVLink is what was cut); DeepSeek-V3 ran
+# its GEMMs in FP8, which this calculator does not model.
+DEEPSEEK_V3_CLUSTER = Cluster(80e9, 8, 256, 160e9, hardware.IB_NDR_GPU.bandwidth,
+                              hardware.H100_BF16_DENSE,
+                              name="DeepSeek-V3: 2048 H800 80 GB")
+# Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+# Clusters Using Megatron-LM", sec. 5: Selene, DGX A100 80 GB nodes of 8 (the
+# A100's figures: hardware.py); GEMMs at 86.9 % of the peak (above).
+A100_SELENE = Cluster(80e9, 8, 192, hardware.NVLINK3_GPU.bandwidth,
+                      hardware.IB_HDR_GPU.bandwidth, hardware.A100_BF16_DENSE,
+                      hbm_bw=HBM_A100, gemm_efficiency=GEMM_EFFICIENCY_A100,
+                      alpha_intra=ALPHA_NVLINK, alpha_inter=ALPHA_NETWORK,
+                      name="Selene: 1536 A100 80 GB")

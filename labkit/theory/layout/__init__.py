@@ -1,0 +1,48 @@
+"""The layout calculator: what a parallel layout (TP, CP, PP, DP/ZeRO, EP) costs
+per device on a cluster, in closed form, and a chooser that ranks layouts.
+
+Each module imports only those before it (no cycles):
+
+    cluster     Cluster, its sourced constants, the published clusters
+    layout      Layout, check_layout, StepShape, which groups sit in a node
+    counts      parameters per device, FLOPs per token
+    roofline    gemm_time, layer_gemms, compute_slowdown, model_time
+    memory      memory(): bytes per device by category; activations_held
+    traffic     traffic(): bytes sent per step by dimension; dp_traffic
+    time        time(): compute, exposed communication, bubble; ring_latency
+    breakdown   Estimate, what the calculator returns
+    reasons     reasons(): plain sentences on an Estimate
+    calculator  estimate(): memory, traffic and time combined into an Estimate
+    published   the published runs' layouts, with sources
+    ranking     choose, find, explain: every layout a cluster can run, ranked
+    runs        PublishedRun, PUBLISHED_RUNS: published layout, model, batch
+    scaling     scale(): how many GPUs a model can use well
+"""
+
+from labkit.theory.layout.breakdown import Estimate
+from labkit.theory.layout.calculator import estimate
+from labkit.theory.layout.cluster import (
+    A100_SELENE,
+    DEEPSEEK_V3_CLUSTER,
+    H100_NODE,
+    LLAMA3_CLUSTER,
+    Cluster,
+)
+from labkit.theory.layout.counts import flops_per_token
+from labkit.theory.layout.layout import DIMS, Layout, check_layout
+from labkit.theory.layout.memory import activations_held
+from labkit.theory.layout.published import LLAMA3_LONG_CONTEXT, PUBLISHED_LAYOUTS
+from labkit.theory.layout.ranking import Ranked, choose, explain, find
+from labkit.theory.layout.roofline import compute_slowdown, gemm_time, layer_gemms
+from labkit.theory.layout.runs import PUBLISHED_RUNS, PublishedRun
+from labkit.theory.layout.scaling import WASTEFUL_MFU, Scale, scale
+from labkit.theory.layout.time import bubble_fraction, ring_latency
+
+__all__ = [
+    "A100_SELENE", "DEEPSEEK_V3_CLUSTER", "DIMS", "H100_NODE", "LLAMA3_CLUSTER",
+    "LLAMA3_LONG_CONTEXT", "PUBLISHED_LAYOUTS", "PUBLISHED_RUNS", "WASTEFUL_MFU",
+    "Cluster", "Estimate", "Layout", "PublishedRun", "Ranked", "Scale",
+    "activations_held", "bubble_fraction", "check_layout", "choose",
+    "compute_slowdown", "estimate", "explain", "find", "flops_per_token",
+    "gemm_time", "layer_gemms", "ring_latency", "scale",
+]
