@@ -8,7 +8,7 @@ from torch import nn
 
 from labkit.numerics import Oracle
 from labkit.parallel.data_parallel import DataParallel
-from labkit.parallel.events import Span, overlap_fraction
+from labkit.ledger import Span, overlap_fraction
 
 pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
 
@@ -222,7 +222,7 @@ def test_overlap_fraction_by_hand():
 
 
 def _spans(rank, world_size, mode, bucket_mb):
-    from labkit.parallel.events import overlap_fraction
+    from labkit.ledger import overlap_fraction
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh())

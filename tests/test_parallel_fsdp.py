@@ -68,7 +68,7 @@ def _oracle(run, *args):
 def _train(rank, world_size, opt, prefetch=True, wrap=None, root=True):
     import warnings
 
-    from labkit.parallel.events import overlap_fraction
+    from labkit.ledger import overlap_fraction
     from labkit.parallel.fsdp import FullyShardedDataParallel
 
     model, tok, y = _setup()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.numerics import Oracle, rel_err
-from labkit.parallel.events import Span
+from labkit.ledger import Span
 from labkit.parallel.pipeline_parallel import bubble_fractions, split_layers
 from labkit.parallel.pipeline_schedules import stage_order
 from labkit.theory.pipeline import activations_in_flight

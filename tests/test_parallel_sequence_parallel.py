@@ -444,7 +444,7 @@ def test_ring_schedule_and_merge():
     from labkit.parallel.ring_attention import (
         attention,
         block_partial,
-        merge,
+        merge_partials,
         ring_schedule,
     )
 
@@ -464,8 +464,8 @@ def test_ring_schedule_and_merge():
     a, b = (block_partial(q, k[:, i:i + 4], v[:, i:i + 4], 0.5) for i in (0, 4))
     oracle = _oracle(attention(q.double(), k.double(), v.double(), scale=0.5),
                      attention(q, k, v, scale=0.5))
-    for name, m in (("a, b", merge(a, b)), ("b, a", merge(b, a))):
-        oracle.check(m.acc / m.l[..., None], f"merge({name})")
+    for name, m in (("a, b", merge_partials(a, b)), ("b, a", merge_partials(b, a))):
+        oracle.check(m.acc / m.l[..., None], f"merge_partials({name})")
     oracle.resolves(a.acc / a.l[..., None], "one half's softmax")
     with pytest.raises(ValueError, match="n >= 1"):
         ring_schedule(0)

@@ -71,7 +71,7 @@ def test_timeline_has_one_lane_per_rank_with_compute_between_collectives():
 
     ledgers = [L(10.0, 14.0, [_rec("all_reduce", 1, 1, 11.0, 1.0)]),
                L(10.5, 13.0, [_rec("all_gather", 1, 1, 12.0, 0.5, rank=1)])]
-    ax = viz.timeline(ledgers).axes[0]
+    ax = viz.timeline_by_rank(ledgers).axes[0]
     got = []
     for coll in ax.collections:
         for path in coll.get_paths():

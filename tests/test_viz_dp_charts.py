@@ -1,7 +1,7 @@
 """labkit.viz.dp_charts: the data each data-parallel chart draws, not pixels."""
 
 from labkit import viz
-from labkit.parallel import Span
+from labkit.ledger import Span
 from labkit.units import MiB
 
 

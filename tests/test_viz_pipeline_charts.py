@@ -4,7 +4,7 @@ micro-batch numbers, and nothing outside the figure."""
 
 import pytest
 
-from labkit.parallel.events import Span
+from labkit.ledger import Span
 from labkit.parallel.pipeline_schedules import simulate_schedule
 from labkit.viz.pipeline_charts import (
     bubble_vs_m,

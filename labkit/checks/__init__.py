@@ -42,6 +42,13 @@ from labkit.checks.tensor_parallel import (
 )
 from labkit.checks.zero import SliceSGD, check_zero1_step, check_zero2_peak
 
+from labkit.checks.data_parallel import check_bucket_count
+from labkit.checks.fsdp import check_min_units
+from labkit.checks.placement import check_design
+from labkit.checks.tensor_parallel import check_whole_over_half
+from labkit.checks.three_d import check_peers_any_order, check_traffic_ratios
+from labkit.checks.zero import elements_shared
+
 __all__ = ["ExerciseError", "SliceSGD", "check_answer", "check_bucket_flush",
            "check_placement", "check_ring_reduce_scatter", "check_uneven_shards",
            "check_zero1_step", "check_zero3_hooks"]
@@ -53,3 +60,7 @@ __all__ += ["check_all_to_all", "check_bytes_per_rank", "check_cheap_reduce_scat
 __all__ += ["check_1f1b_order", "check_in_flight"]
 __all__ += ["check_dp_bytes", "check_peers", "check_ring_seconds"]
 __all__ += ["check_bytes_per_step", "check_zero2_peak"]
+# named by chapters (one face per layer: tests/test_public_faces.py)
+__all__ += ["check_bucket_count", "check_design", "check_min_units",
+            "check_peers_any_order", "check_traffic_ratios", "check_whole_over_half",
+            "elements_shared"]

@@ -28,7 +28,7 @@ from labkit.checks.explain import (
     student_frame,
 )
 from labkit.checks.watch import watched
-from labkit.runtime.results import ClusterClosed, CollectiveTimeout, RankError
+from labkit.runtime import ClusterClosed, CollectiveTimeout, RankError
 
 SHORT_TIMEOUT = 5.0  # seconds: a check's ranks do tiny work; longer is a deadlock
 

@@ -169,7 +169,7 @@ def check_two_rings(fn, dims=((4, 4), (6, 4)), size: float = 1e9) -> bool:
     is one hop and no link (one direction of a cable) carries both, so that the
     busiest link carries (N-1)/N * size, half of one ring's 2(N-1)/N * size.
     """
-    from labkit.comm.topology import ring_all_reduce_transfers, route, torus
+    from labkit.comm import ring_all_reduce_transfers, route, torus
 
     names = []
     for d in dims:

@@ -98,7 +98,7 @@ def _normalise(order):
 
 
 def _order_worker(rank, world_size, fn, m):
-    from labkit.parallel.pipeline_schedules import stage_order
+    from labkit.parallel import stage_order
 
     order, problem = _normalise(fn(world_size, m, rank))
     want = [(a.kind, a.microbatch) for a in stage_order("1f1b", world_size, m, rank)]
@@ -109,8 +109,8 @@ def _pipeline_worker(rank, world_size, orders, m):
     """One real pipeline step of the small model, stage `rank` in `orders[rank]`."""
     import torch.nn.functional as F
 
-    from labkit.parallel.pipeline_parallel import PipelineParallel
-    from labkit.parallel.pipeline_schedules import Action
+    from labkit.parallel import PipelineParallel
+    from labkit.parallel import Action
 
     x, y = _batch()
     pipe = PipelineParallel(_model(), microbatches=m, loss_fn=F.mse_loss)
@@ -194,7 +194,7 @@ def _predict_worker(rank, world_size, fn, schedule, m):
 def _measure_worker(rank, world_size):
     import torch.nn.functional as F
 
-    from labkit.parallel.pipeline_parallel import PipelineParallel
+    from labkit.parallel import PipelineParallel
 
     x, y = _batch()
     out = {}

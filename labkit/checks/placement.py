@@ -13,7 +13,7 @@ from labkit.checks.common import (
     call_answer,
     is_number,
 )
-from labkit.theory.placement import Placement
+from labkit.theory import Placement
 
 STATES = {"P": "parameters", "O": "optimizer state", "G": "gradients",
           "A": "activations"}

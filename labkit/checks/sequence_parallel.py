@@ -48,7 +48,7 @@ def _pair(seed: int, spread: float):
     `spread` apart, and the partial over both keys sets (by definition)."""
     import torch
 
-    from labkit.parallel.ring_attention import block_partial
+    from labkit.parallel import block_partial
 
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 3, 4, generator=g)
@@ -64,7 +64,7 @@ def _pair(seed: int, spread: float):
 def _merge_worker(rank, world_size, fn):
     import torch
 
-    from labkit.parallel.ring_attention import Partial, attention, ring_attention
+    from labkit.parallel import Partial, attention, ring_attention
 
     def merge(a, b):  # a plain tuple or list of the three tensors will do
         got = fn(a, b)
@@ -129,7 +129,7 @@ def check_online_softmax_merge(cluster, fn, *, timeout: float = SHORT_TIMEOUT
     res = run_answer(cluster, _merge_worker, fn, what="merge", timeout=timeout)
     if res is None:
         return NOT_YET
-    from labkit.parallel.ring_attention import Partial
+    from labkit.parallel import Partial
 
     allowed = 0.0
     for rank, r in enumerate(res):

@@ -160,7 +160,7 @@ def _row_hint(y, want, partial, bias, t) -> str:
 def _mlp():
     import torch
 
-    from labkit.parallel.tensor_parallel import MLP
+    from labkit.parallel import MLP
 
     torch.manual_seed(0)
     return MLP(IN, FFN)

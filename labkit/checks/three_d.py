@@ -28,7 +28,7 @@ def _as_ranks(x):
 
 
 def _peers_worker(rank, world_size, fn, grids):
-    from labkit.parallel.groups import ParallelGroups
+    from labkit.parallel import ParallelGroups
 
     out = []
     for tp, pp, dp in grids:
@@ -75,8 +75,8 @@ def _dp_worker(rank, world_size, fn, grid):
     import torch
 
     from labkit.ledger import traffic
-    from labkit.parallel.groups import ParallelGroups
-    from labkit.parallel.three_d import ThreeD, TinyGPT
+    from labkit.parallel import ParallelGroups
+    from labkit.parallel import ThreeD, TinyGPT
 
     tp, pp, dp = grid
     g = ParallelGroups.build(tp=tp, pp=pp, dp=dp)
@@ -263,7 +263,7 @@ def _long_context_pair():
     import dataclasses
 
     from labkit.theory import PUBLISHED_RUNS, estimate
-    from labkit.theory.models import MODELS
+    from labkit.theory import MODELS
 
     run = PUBLISHED_RUNS["llama3-405b-128k"]
     lay = run.layout

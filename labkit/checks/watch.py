@@ -68,18 +68,18 @@ class _WatchedWork:
 def _watch_p2p():
     import torch.distributed as dist
 
-    from labkit.runtime.rank import STATE
+    from labkit.runtime import set_activity
 
     names = ("send", "recv", "isend", "irecv")
     real = {name: getattr(dist, name) for name in names}
 
     def wait_for(what, work, frame):
         # set after the call was issued: a traffic ledger's own status is over
-        STATE["activity"] = f"{what}, {_where(frame)}"
+        set_activity(f"{what}, {_where(frame)}")
         try:
             return work.wait()
         finally:
-            STATE["activity"] = None
+            set_activity(None)
 
     def send(tensor, dst=None, group=None, tag=0, **kw):
         if dst is None or kw:

@@ -33,7 +33,7 @@ def _time_steps(rank, world_size, name: str, steps: int) -> float:
     import torch
     import torch.nn.functional as F
 
-    from labkit.parallel.pipeline_parallel import PipelineParallel, split_layers
+    from labkit.parallel import PipelineParallel, split_layers
 
     g = torch.Generator().manual_seed(1)
     x, y = (torch.randn(BATCH, WIDTH, generator=g) for _ in range(2))

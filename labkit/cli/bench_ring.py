@@ -22,7 +22,7 @@ def bench_ring(world_size: int = 4, size: int = 16 << 20, rounds: int = 5) -> in
     """The from-scratch ring all-reduce's busbw vs PyTorch's, same ranks, same run,
     alternating the two so that machine noise hits both alike."""
     import labkit
-    from labkit.comm.bandwidth import time_collective
+    from labkit.comm import time_collective
     from labkit.runtime import forkserver
     from labkit.theory import bus_factor
 

@@ -35,7 +35,7 @@ def cluster_for(device_name: str):
 def shapes() -> dict[str, tuple[float, float, float]]:
     """{label: (m, n, k)}: the products chapter 12's roofline chart places."""
     from labkit.theory import layer_gemms
-    from labkit.theory.models import MODELS
+    from labkit.theory import MODELS
 
     out = {}
     for tokens in TOKENS:

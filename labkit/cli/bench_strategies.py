@@ -38,7 +38,7 @@ def _model(kind: str = "MLP"):
 
     torch.manual_seed(0)
     if kind == "GPT":
-        from labkit.parallel.three_d import TinyGPT
+        from labkit.parallel import TinyGPT
 
         model = TinyGPT(**GPT)
         model[-1].out.weight = model[0].tok.weight  # tied
@@ -54,9 +54,9 @@ def _units(model) -> list:
     MLP's Linears, the GPT's blocks (FSDP2's usual recipe)."""
     import torch
 
-    from labkit.parallel.three_d import Block
+    from labkit.parallel import GPTBlock
 
-    kind = Block if any(isinstance(m, Block) for m in model) else torch.nn.Linear
+    kind = GPTBlock if any(isinstance(m, GPTBlock) for m in model) else torch.nn.Linear
     return [m for m in model if isinstance(m, kind)]
 
 
@@ -67,7 +67,7 @@ def _setups():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from labkit.parallel import DataParallel, ShardedOptimizer
-    from labkit.parallel.fsdp import FullyShardedDataParallel
+    from labkit.parallel import FullyShardedDataParallel
 
     def labkit_dp(model):
         dp = DataParallel(model, bucket_mb=25, first_bucket_mb=1)  # DDP's defaults
@@ -122,7 +122,7 @@ def _time_steps(rank, world_size, name: str, steps: int,
     module, opt, sync = _setups()[name](_model(kind))
     torch.manual_seed(rank)
     if kind == "GPT":
-        from labkit.parallel.three_d import lm_loss
+        from labkit.parallel import lm_loss
 
         x = torch.randint(GPT["vocab"], (GPT_BATCH, GPT["seq"]))
         y, loss_fn = x.roll(-1, 1), lm_loss

@@ -21,7 +21,7 @@ def _model(name: str):
     import torch
     import torch.distributed as dist
 
-    from labkit.parallel.tensor_parallel import MLP, ParallelMLP
+    from labkit.parallel import MLP, ParallelMLP
 
     torch.manual_seed(0)
     ref = MLP(HIDDEN, FFN)

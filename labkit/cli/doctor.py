@@ -20,7 +20,7 @@ def doctor() -> int:
     import torch
 
     import labkit
-    from labkit.runtime.backend import gpu_count, resolve_backend
+    from labkit.runtime import gpu_count, resolve_backend
 
     gpus = gpu_count()
     print(f"python      {sys.version.split()[0]} ({platform.platform()})")

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from labkit import viz
-from labkit.comm.collectives import OPS, course_example, ring_steps, simulate
+from labkit.comm import OPS, course_example, ring_steps, simulate
 
 IMAGES = Path(__file__).resolve().parents[2] / "images"
 MARK = "labkit-diagram-data:"
@@ -60,7 +60,7 @@ def digest(data, code: tuple[Path, ...] | None = None) -> str:
 def _figure(name: str, data):
     if name.startswith("collective_"):
         return viz.collective_diagram(data["op"], data["before"], data["after"])
-    from labkit.viz.diagrams import ring_panels
+    from labkit.viz import ring_panels
 
     # top row: the start and the reduce-scatter; bottom row: the all-gather, the key
     fig = ring_panels(ring_steps(4), ncols=4, width_in=RING_WIDTH_IN)

@@ -54,10 +54,11 @@ def _bench(args) -> int:
 
 
 def _launch(args) -> int:
-    from labkit.runtime.launch import launch
+    from labkit.runtime import launch_torchrun
 
     try:
-        return launch(args.target, args.nproc, args.torchrun, args.args, args.results)
+        return launch_torchrun(args.target, args.nproc, args.torchrun, args.args,
+                               args.results)
     except ValueError as e:
         print(f"labkit launch: {e}", file=sys.stderr)
         return 2

@@ -7,13 +7,18 @@ from __future__ import annotations
 import reprlib
 from pathlib import Path
 
-from labkit.runtime.results import RankResults
-from labkit.runtime.results_io import ResultsError, load_results, merge, read_records
+from labkit.runtime import RankResults
+from labkit.runtime import (
+    ResultsError,
+    load_results,
+    merge_records,
+    read_records,
+)
 
 
 def ledgers_in(value) -> dict[str, object]:
     """The ledgers in one rank's value: the value itself, or a dict's entries."""
-    from labkit.ledger.common import Ledger
+    from labkit.ledger import Ledger
 
     if isinstance(value, Ledger):
         return {value.kind: value}
@@ -26,7 +31,7 @@ def brief(value, depth: int = 0) -> str:
     """One short line for a value: tensors by shape and dtype, dicts by entry."""
     import torch
 
-    from labkit.ledger.common import Ledger
+    from labkit.ledger import Ledger
 
     if isinstance(value, torch.Tensor):
         if value.numel() <= 8:
@@ -48,7 +53,7 @@ def brief(value, depth: int = 0) -> str:
 
 def summary(*directories) -> str:
     """A few lines on a run: who ran where, for how long, and what each returned."""
-    recs = merge(read_records(*directories))
+    recs = merge_records(read_records(*directories))
     first = recs[0]
     hosts = sorted({rec["host"] for rec in recs.values()})
     args = ", ".join(map(repr, first["args"]))
@@ -65,7 +70,7 @@ def summary(*directories) -> str:
 def chart(results: RankResults, out_dir) -> list[Path]:
     """Draw the ledgers the ranks returned (memory by rank, traffic by rank) into
     PNG files in out_dir; returns the files written."""
-    from labkit.viz.ledger_charts import memory_by_rank, traffic_by_rank
+    from labkit.viz import memory_by_rank, traffic_by_rank
 
     per_rank = [ledgers_in(v) for v in results.values]
     names = [k for k in per_rank[0] if all(k in p for p in per_rank)]

@@ -11,10 +11,17 @@ when anything runs.
 """
 
 from labkit.runtime import forkserver as _forkserver
+from labkit.ledger.common import Ledger
 from labkit.ledger.holdings import Holdings, holdings
 from labkit.ledger.memory import CATEGORIES, MemoryLedger, Step, memory
 from labkit.ledger.tagging import count_as, on_host
-from labkit.ledger.timeline import Span, TimelineLedger, overlap_fraction, timeline
+from labkit.ledger.timeline import (
+    Span,
+    TimelineLedger,
+    overlap_fraction,
+    timeline,
+    union,
+)
 from labkit.ledger.traffic import (
     Record,
     TrafficLedger,
@@ -27,7 +34,7 @@ from labkit.ledger.traffic import (
 __all__ = ["CATEGORIES", "Holdings", "MemoryLedger", "Record", "Step",
            "Span", "TimelineLedger", "TrafficLedger", "count_as", "holdings", "memory",
            "on_host", "overlap_fraction", "summarize", "timeline", "total", "traffic"]
-__all__ += ["by_group"]
+__all__ += ["Ledger", "by_group", "union"]
 
 # ranks forked from now on start with the ledger imported (DTensor: ~2 s each)
 _forkserver.preload_when_idle(__name__)

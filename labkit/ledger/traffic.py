@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from labkit.runtime.rank import STATE as RANK_STATE
+from labkit.runtime import set_activity
 from labkit.conventions import BUS_FACTOR
 from labkit.ledger.common import Ledger
 from labkit.units import human_bytes as human
@@ -238,7 +238,7 @@ class TrafficLedger(Ledger, TorchDispatchMode):
         # so they are not waited for here: their bytes count only in `written`
         p2p = op in ("send", "recv")
         wire = self._wire_ok and not p2p and not any(t.is_cuda for t in payload)
-        RANK_STATE["activity"] = f"{op} of {human(nbytes)} (group of {n})"
+        set_activity(f"{op} of {human(nbytes)} (group of {n})")
         w0 = _wchar() if wire else 0
         t0 = time.perf_counter()
         try:
@@ -246,7 +246,7 @@ class TrafficLedger(Ledger, TorchDispatchMode):
             if not p2p:
                 _wait(ns, res)
         finally:
-            RANK_STATE["activity"] = None
+            set_activity(None)
         t1 = time.perf_counter()
         w1 = _wchar() if wire else 0
         self.records.append(Record(

@@ -2,8 +2,8 @@
 or transform over a plain nn.Module, each checked against single-process training.
 
 May import theory, ledger and runtime. data_parallel (naive, overlapped and
-bucketed all-reduce, and the parameter server), events (compute and communication
-spans, and how much of one hides the other), precision (bf16 compute with fp32
+bucketed all-reduce, and the parameter server; the spans the wrappers record are
+labkit.ledger's Span), precision (bf16 compute with fp32
 master weights), zero (ZeRO-1/2: optimizer state and gradients sharded), fsdp (ZeRO-3:
 parameters sharded too, gathered per module; fsdp_hooks its autograd side),
 guards (the device and optimizer-step checks every wrapper makes),
@@ -27,7 +27,6 @@ from labkit.parallel.checkpointing import (
     time_step,
 )
 from labkit.parallel.data_parallel import DataParallel
-from labkit.parallel.events import Span, overlap_fraction
 from labkit.parallel.fsdp import FullyShardedDataParallel
 from labkit.parallel.groups import ParallelGroups, grid
 from labkit.parallel.offload import OffloadedOptimizer, Transfer
@@ -51,13 +50,46 @@ from labkit.parallel.tensor_parallel import (
 )
 from labkit.parallel.zero import ShardedOptimizer
 
+from labkit.parallel.pipeline_parallel import split_layers
+from labkit.parallel.pipeline_schedules import Action, peak_in_flight
+from labkit.parallel.recorded_ddp import RecordedDDP
+from labkit.parallel.ring_attention import (
+    Partial,
+    RingBlock,
+    attention,
+    block_partial,
+    merge_partials,
+    ring_schedule,
+    shard_sequence,
+)
+from labkit.parallel.sequence_parallel import (
+    forward_activations,
+    sync_sequence_parallel_grads,
+)
+from labkit.parallel.tensor_parallel import MLP, SelfAttention
+from labkit.parallel.three_d import GPTBlock
+from labkit.parallel.tensor_parallel_mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
 __all__ = ["Checkpointed", "DataParallel", "Flops", "FullyShardedDataParallel",
            "MasterWeights",
-           "OffloadedOptimizer", "ShardedOptimizer", "Span", "StepTime", "Transfer",
-           "checkpoint", "count_flops", "overlap_fraction", "time_step"]
+           "OffloadedOptimizer", "ShardedOptimizer", "StepTime", "Transfer",
+           "checkpoint", "count_flops", "time_step"]
 __all__ += ["ColumnParallelLinear", "ParallelGroups", "ParallelMLP",
             "ParallelSelfAttention", "ParallelTransformerLayer", "RowParallelLinear",
             "TransformerLayer", "grid", "ring_attention"]
 __all__ += ["PipelineParallel", "bubble_fractions", "simulate_schedule", "stage_order"]
 __all__ += ["ThreeD", "TinyGPT", "lm_loss", "stage_layers"]
 __all__ += ["checkpoint_bytes", "load_full_state_dict", "load_sharded", "save_sharded"]
+# named by chapters (one face per layer: tests/test_public_faces.py)
+__all__ += ["Action", "GPTBlock", "Partial", "RingBlock",
+            "MLP", "RecordedDDP", "SelfAttention", "attention", "block_partial",
+            "copy_to_tensor_model_parallel_region", "forward_activations",
+            "gather_from_sequence_parallel_region", "merge_partials", "peak_in_flight",
+            "reduce_from_tensor_model_parallel_region",
+            "reduce_scatter_to_sequence_parallel_region", "ring_schedule",
+            "shard_sequence", "split_layers", "sync_sequence_parallel_grads"]

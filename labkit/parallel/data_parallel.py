@@ -56,7 +56,7 @@ from labkit.parallel.data_parallel_buckets import (
     pack,
     unpack,
 )
-from labkit.parallel.events import Span
+from labkit.ledger import Span
 
 MODES = ("overlap", "naive", "parameter_server")
 

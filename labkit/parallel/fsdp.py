@@ -67,7 +67,7 @@ from torch.utils._pytree import tree_leaves
 
 from labkit.parallel import fsdp_hooks as H
 from labkit.parallel import guards
-from labkit.parallel.events import Span
+from labkit.ledger import Span
 from labkit.parallel.fsdp_accumulation import GradientAccumulation
 from labkit.parallel.fsdp_recompute import RecomputeAware, in_backward
 

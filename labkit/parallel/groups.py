@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.theory._validate import check_counts
+from labkit.theory import check_counts
 
 DIMS = ("tp", "cp", "pp", "dp")  # innermost first
 

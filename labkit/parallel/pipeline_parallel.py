@@ -34,8 +34,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit.ledger.tagging import count_as
-from labkit.parallel.events import Span, union
+from labkit.ledger import count_as
+from labkit.ledger import Span, union
 from labkit.parallel.pipeline_schedules import stage_order
 
 RUNTIME_SCHEDULES = ("gpipe", "1f1b")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
-from labkit.theory._validate import check_counts
+from labkit.theory import check_counts
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 

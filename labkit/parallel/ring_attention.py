@@ -11,7 +11,7 @@ keys, nor more than one (s/N x s/N) block of attention scores per head.
 The blocks arrive one at a time, so the softmax over a row is assembled online
 (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022, sec. 3.1): each block
 gives a `Partial` — the row's running max m, its sum l = sum exp(score - m) and
-acc = sum exp(score - m) v — and `merge` rescales two partials to a common max
+acc = sum exp(score - m) v — and `merge_partials` rescales two partials to a common max
 and adds them. The output is acc / l, exactly the softmax's (up to rounding).
 
 Backward is a custom autograd Function that recomputes each block's scores from
@@ -49,7 +49,7 @@ class Partial(NamedTuple):
     l: torch.Tensor  # noqa: E741
 
 
-def merge(a: Partial, b: Partial) -> Partial:
+def merge_partials(a: Partial, b: Partial) -> Partial:
     """Two partials over disjoint keys -> the partial over both: rescale each to
     the larger max, then add (online softmax)."""
     m = torch.maximum(a.m, b.m)
@@ -85,7 +85,7 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
 
 
 @dataclass(frozen=True)
-class Block:
+class RingBlock:
     """What one rank does at one step: the chunk of keys it holds and whether it
     attends to it ("full", "diagonal": causal mask inside, "skipped")."""
 
@@ -95,7 +95,7 @@ class Block:
     kind: str
 
 
-def ring_schedule(n: int, causal: bool = False) -> list[Block]:
+def ring_schedule(n: int, causal: bool = False) -> list[RingBlock]:
     """Every (step, rank) of ring attention on n ranks: rank r holds key chunk
     (r - step) mod n at step `step`."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -106,7 +106,7 @@ def ring_schedule(n: int, causal: bool = False) -> list[Block]:
             j = (r - step) % n
             kind = ("full" if not causal or j < r else "diagonal" if j == r
                     else "skipped")
-            out.append(Block(step, r, j, kind))
+            out.append(RingBlock(step, r, j, kind))
     return out
 
 
@@ -193,7 +193,7 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q, k, v, group=None, causal: bool = False,
-                   scale: float | None = None, merge_fn=merge):
+                   scale: float | None = None, merge_fn=merge_partials):
     """Attention of this rank's query chunk over the whole sequence, whose key and
     value chunks are spread over the ranks of `group` in rank order.
 

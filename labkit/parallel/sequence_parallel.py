@@ -62,7 +62,7 @@ from labkit.parallel.tensor_parallel_mappings import (
     all_gather_first,
     reduce_scatter_first,
 )
-from labkit.theory.activations import RECOMPUTE  # the modes the closed form prices
+from labkit.theory import RECOMPUTE  # the modes the closed form prices
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:

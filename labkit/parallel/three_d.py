@@ -44,7 +44,7 @@ from labkit.parallel.tensor_parallel import (
     SelfAttention,
 )
 
-__all__ = ["Block", "Embedding", "Head", "ParallelBlock", "ThreeD", "TinyGPT",
+__all__ = ["Embedding", "GPTBlock", "Head", "ParallelGPTBlock", "ThreeD", "TinyGPT",
            "lm_loss", "stage_layers"]
 
 
@@ -59,7 +59,7 @@ class Embedding(nn.Module):
         return self.tok(ids) + self.pos.weight[: ids.shape[1]]
 
 
-class Block(nn.Module):
+class GPTBlock(nn.Module):
     """A pre-norm transformer block in one process: (b, s, h) -> (b, s, h)."""
 
     def __init__(self, hidden: int, heads: int):
@@ -72,12 +72,12 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class ParallelBlock(Block):
+class ParallelGPTBlock(GPTBlock):
     """The same block with its attention heads and MLP split over the tensor
     group: f before each column-parallel layer (identity forward, all-reduce
     backward), g after each row-parallel one (all-reduce forward)."""
 
-    def __init__(self, block: Block, group):
+    def __init__(self, block: GPTBlock, group):
         nn.Module.__init__(self)
         self.ln1, self.ln2 = _copy(block.ln1), _copy(block.ln2)
         self.attn = ParallelSelfAttention.from_attention(block.attn, group)
@@ -103,7 +103,7 @@ class TinyGPT(nn.Sequential):
     def __init__(self, vocab: int = 64, seq: int = 16, hidden: int = 32,
                  heads: int = 4, layers: int = 2):
         super().__init__(Embedding(vocab, seq, hidden),
-                         *(Block(hidden, heads) for _ in range(layers)),
+                         *(GPTBlock(hidden, heads) for _ in range(layers)),
                          Head(hidden, vocab))
         self.vocab, self.seq, self.hidden = vocab, seq, hidden
         self.heads, self.n_blocks = heads, layers
@@ -126,7 +126,8 @@ def stage_layers(model: TinyGPT, groups, balance=None) -> list[nn.Module]:
     out = list(model)
     for i in range(lo, hi):
         m = model[i]
-        out[i] = ParallelBlock(m, groups.tp_group) if isinstance(m, Block) else _copy(m)
+        out[i] = (ParallelGPTBlock(m, groups.tp_group) if isinstance(m, GPTBlock)
+                  else _copy(m))
     return out
 
 

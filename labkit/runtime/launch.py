@@ -66,14 +66,14 @@ def parse_args(words) -> tuple:
     return tuple(out)
 
 
-def launch(target: str, nproc: int, torchrun_args: list[str], args=(),
+def launch_torchrun(target: str, nproc: int, torchrun_args: list[str], args=(),
            results: str | None = None) -> int:
     """Start torchrun, which starts this module's `_main` in every process."""
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
     load(target)  # fail here, once, rather than in every process
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           *torchrun_args, "-m", "labkit.runtime.launch", target, *args]
+           *torchrun_args, "-m", "labkit.launch", target, *args]
     if results is not None:
         cmd += ["--results", str(results)]
     if not any(a.startswith(("--rdzv", "--master", "--nnodes")) for a in torchrun_args):
@@ -160,7 +160,3 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    main()

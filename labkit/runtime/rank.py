@@ -35,6 +35,15 @@ from labkit.units import human_bytes
 # What this rank is doing, for status requests. Ledgers set "activity".
 STATE: dict = {"call": None, "activity": None, "started": 0.0, "bars": 0,
                "phase": "starting"}
+
+
+def set_activity(what: str | None) -> None:
+    """Say what this rank is doing now ('all_reduce of 4.0 MiB (group of 4)'), for
+    a status request while it lasts; None when it is over. The traffic ledger and
+    the checks' deadlock watcher call it."""
+    STATE["activity"] = what
+
+
 # Namespace shared by the %%ranks cells a rank runs (reset when the rank restarts).
 NAMESPACE: dict = {}
 # The connection calls arrive on (labkit.progress reports over it).

@@ -84,7 +84,7 @@ def read_records(*directories) -> dict[int, dict]:
     return found
 
 
-def merge(records: dict[int, dict]) -> dict[int, dict]:
+def merge_records(records: dict[int, dict]) -> dict[int, dict]:
     """The records of one run, every rank 0..world_size-1; else ResultsError."""
     if 0 not in records:
         raise ResultsError(f"no result for rank 0 (found ranks {sorted(records)})")
@@ -117,7 +117,7 @@ def load_results(*directories) -> RankResults:
     if failed:  # before gaps: torchrun stops the others when one rank raises
         raise ResultsError("\n".join(f"rank {r} failed:\n{tb}"
                                      for r, tb in failed.items()))
-    recs = merge(found)
+    recs = merge_records(found)
     out = RankResults({r: rec["value"] for r, rec in recs.items()}, {},
                       {r: rec["seconds"] for r, rec in recs.items()}, len(recs))
     out.hosts = {r: rec["host"] for r, rec in recs.items()}

@@ -22,7 +22,7 @@ from labkit.viz.diagrams import (
     traffic_by_collective,
 )
 from labkit.viz.dp_charts import dp_timeline, dp_timelines, dp_traffic
-from labkit.viz.ledger_charts import memory_by_rank, timeline, traffic_by_rank
+from labkit.viz.ledger_charts import memory_by_rank, timeline_by_rank, traffic_by_rank
 from labkit.viz.network_charts import (
     bandwidth_chart,
     hierarchy,
@@ -54,7 +54,8 @@ __all__ = [
     "CATEGORY_COLORS", "OP_COLORS", "Comparison", "LabFigure", "PlacementExplorer",
     "RingStepper", "Row", "ZeroExplorer", "bandwidth_chart", "collective_diagram",
     "hierarchy", "link_load", "measured_vs_expected", "memory_by_rank",
-    "placement_bars", "placement_explorer", "ring_grid", "ring_stepper", "timeline",
+    "placement_bars", "placement_explorer", "ring_grid", "ring_stepper",
+    "timeline_by_rank",
     "traffic_by_rank", "zero_bars", "zero_explorer",
 ]
 

@@ -22,7 +22,7 @@ from labkit.theory import (
     gemm_time,
     scale,
 )
-from labkit.theory.models import MODELS
+from labkit.theory import MODELS
 from labkit.units import percent, seconds, si_bytes
 from labkit.viz.style import _axes
 from labkit.viz.widgets import _show

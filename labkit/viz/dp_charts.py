@@ -92,7 +92,7 @@ def dp_timeline(events, *, ax=None, title: str = "", origin: float | None = None
     visible; the overlap share is computed from the true spans.
     """
     # here, not at the top: labkit.parallel imports torch, which viz otherwise need not
-    from labkit.parallel.events import overlap_fraction
+    from labkit.ledger import overlap_fraction
 
     ranks = _per_rank(events)
     spans = [s for v in ranks.values() for s in v]

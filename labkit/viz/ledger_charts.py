@@ -104,8 +104,9 @@ def traffic_by_rank(ledgers, *, ax=None, unit: float = MiB, unit_name: str = "Mi
 # --------------------------------------------------------------------- timeline
 
 
-def timeline(ledgers, *, ax=None, title: str = "Timeline (a timing: varies run to run)"
-             ) -> Figure:
+def timeline_by_rank(ledgers, *, ax=None,
+                     title: str = "Timeline (a timing: varies run to run)"
+                     ) -> Figure:
     """One lane per rank: compute (grey) and each collective (coloured) as spans,
     from the ledgers' own clocks (CLOCK_MONOTONIC, shared by the ranks)."""
     ranks = _per_rank(ledgers)

@@ -137,7 +137,7 @@ def pipeline_timeline(events, *, ax=None, title: str = "", legend: bool = True
     sends (posted to done) are thin bars below. Time counts from the first pass: a
     receive posted earlier (during the previous step) is drawn from there. The
     title gives each stage's bubble."""
-    from labkit.parallel.pipeline_parallel import bubble_fractions
+    from labkit.parallel import bubble_fractions
 
     ranks = _per_rank(events)
     compute = [s for evs in ranks.values() for s in evs if s.kind == "compute"]

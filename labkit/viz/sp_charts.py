@@ -8,7 +8,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
-from labkit.theory.activations import TERM_GROUP
+from labkit.theory import TERM_GROUP
 from labkit.units import MiB
 from labkit.viz.style import _axes
 

@@ -12,7 +12,7 @@ import ipywidgets as W
 from IPython.core.interactiveshell import InteractiveShell
 
 from labkit import theory
-from labkit.comm.collectives import ring_steps
+from labkit.comm import ring_steps
 from labkit.units import GB
 from labkit.viz.diagrams import ring_grid
 from labkit.viz.theory_charts import placement_bars, zero_bars
