@@ -1,0 +1,165 @@
+"""The forkserver process (forkserver.py is the kernel's handle on it): import
+torch, say ready, fork a rank per request and report how each ended; hand over to
+a successor that has imported what was asked for (Preload) once idle."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import select
+import signal
+import socket
+import sys
+
+from labkit.runtime import wire
+from labkit.runtime.messages import (
+    ROLE_ENV,
+    ForkserverReady,
+    Preload,
+    RankExited,
+    Spawn,
+    Spawned,
+    Successor,
+)
+
+IDLE_BEFORE_PRELOAD = 1.0  # seconds idle after serving a cluster
+IDLE_UNSERVED = 3.0  # ... or after starting, when no cluster came (a student reads)
+
+
+def serve(ctrl_fd: int, lifeline_fd: int, kernel_pid: int) -> None:
+    """The forkserver's main: import torch, say ready, fork ranks on request."""
+    os.environ[ROLE_ENV] = "forkserver"
+    import cloudpickle  # noqa: F401  (imported once here, inherited by every rank)
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # what says the kernel is gone: EOF on a pipe only it writes to, or its pidfd
+    gone = tuple(fd for fd in (lifeline_fd, _pidfd_open(kernel_pid)) if fd >= 0)
+    if os.getppid() != kernel_pid:  # the kernel died while we imported torch
+        return
+    _loop(socket.socket(fileno=ctrl_fd), gone, wanted=())
+
+
+def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...]):
+    """Serve `ctrl` until the kernel is gone. `wanted`: modules asked for so far
+    (Preload); once idle with some not imported, hand over to a successor that
+    imports them (once: a forkserver that handed over only serves until its
+    successor is ready)."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select via wake_w
+    wire.send(ctrl, ForkserverReady(os.getpid(), _imported(wanted)))
+    served = handed_over = False
+    while True:
+        missing = () if handed_over else tuple(
+            m for m in wanted if m not in sys.modules)
+        idle = None
+        if missing:
+            idle = IDLE_BEFORE_PRELOAD if served else IDLE_UNSERVED
+        ready, _, _ = select.select([ctrl, wake_r, *gone], [], [], idle)
+        if not ready:  # idle: let a successor import more, then take over
+            _start_successor(ctrl, gone, wanted, close=(wake_r, wake_w))
+            handed_over = True
+            continue
+        if any(fd in ready for fd in gone):
+            return
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+            _reap(ctrl)
+        if ctrl in ready:
+            msg = wire.recv(ctrl)
+            if msg is None:
+                return
+            if isinstance(msg, Preload):
+                wanted = tuple(dict.fromkeys((*wanted, *msg.names)))
+                if not handed_over and set(wanted) <= sys.modules.keys():
+                    # imported already (by torch, say): no successor; say so
+                    wire.send(ctrl, ForkserverReady(os.getpid(), wanted))
+            elif isinstance(msg, Spawn):
+                sys.stdout.flush()
+                sys.stderr.flush()
+                keep = (ctrl.fileno(), wake_r, wake_w)
+                pids = tuple(_fork_rank(spec, keep, gone) for spec in msg.specs)
+                wire.send(ctrl, Spawned(pids))
+                served = True
+
+
+def _start_successor(ctrl, gone, wanted, close) -> None:
+    ours, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the successor: import, then serve on its own connection
+        try:
+            signal.set_wakeup_fd(-1)
+            for fd in (ctrl.fileno(), ours.fileno(), *close):
+                os.close(fd)
+            for name in wanted:
+                importlib.import_module(name)
+            _loop(theirs, gone, wanted=wanted)
+        finally:
+            os._exit(0)
+    theirs.close()
+    wire.send(ctrl, Successor(pid))
+    socket.send_fds(ctrl, [b"s"], [ours.fileno()])
+    ours.close()
+
+
+def _imported(wanted) -> tuple[str, ...]:
+    return tuple(m for m in wanted if m in sys.modules)
+
+
+def _reap(ctrl: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        wire.send(ctrl, RankExited(pid, describe_status(status)))
+
+
+def describe_status(status: int) -> str:
+    """'exited with code 1' / 'killed by SIGKILL' from a waitpid status."""
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    return f"exited with code {code}"
+
+
+def _pidfd_open(pid: int) -> int:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return -1
+
+
+def _fork_rank(spec, close_fds: tuple[int, ...], gone: tuple[int, ...]) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        for fd in close_fds:
+            os.close(fd)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        from labkit.runtime.rank import rank_main
+
+        code = rank_main(spec, gone)
+    except BaseException:  # noqa: BLE001  (whatever happens, report it and leave)
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
