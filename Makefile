@@ -109,9 +109,11 @@ test-cpus: install
 		--cell-timeout $(CELL_TIMEOUT) --chapters $(CPU_CHAPTERS)
 
 # lint and the library tests that execute no notebook: the developer's quick loop
+# the fast inner loop: lint and the tests that start no process (tests/conftest.py
+# marks the others "ranks"); `make test` runs everything
 check: lint
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider --ignore=tests/browser \
-		-m "not slow"
+		-m "not slow and not ranks"
 
 test-notebooks: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \

@@ -1,4 +1,8 @@
+import ast
+import inspect
 import os
+import re
+import textwrap
 import time
 
 import pytest
@@ -62,3 +66,73 @@ def descendants_of(pid: int) -> list[int]:
         out += kids
         todo += kids
     return out
+
+
+# ------------------------------------------------------- the fast inner loop
+# `make check` runs the tests that start no process: no ranks, no kernel, no
+# torchrun, no notebook. A test is marked "ranks" here when it, a fixture it uses
+# or a module-level function either calls (transitively, within its module) starts
+# one; a test left unmarked that starts one anyway fails (the guard below), so the
+# split cannot drift silently.
+_STARTS = re.compile(r"\bCluster\(|\bsubprocess\b|\bPopen\b|torchrun|KernelManager|"
+                     r"start_new_kernel|nbval|default_cluster|forkserver|\bspawn\(|"
+                     r"run_cell_magic|%%ranks|NotebookClient")
+_ALWAYS = {"cluster"}  # fixtures that are ranks themselves
+
+
+def _starts_processes(item) -> bool:
+    if _ALWAYS & set(item.fixturenames):
+        return True
+    module = inspect.getmodule(item.function)
+    funcs = [item.function]
+    for name in set(item.fixturenames) - {"_no_process_unless_marked"}:
+        for fd in item._fixtureinfo.name2fixturedefs.get(name, ()):
+            funcs.append(fd.func)
+    seen = set()
+    while funcs:
+        f = funcs.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        try:
+            src = textwrap.dedent(inspect.getsource(f))
+        except (OSError, TypeError):
+            continue
+        if _STARTS.search(src):
+            return True
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Name):
+                g = getattr(module, node.id, None)
+                if inspect.isfunction(g) and inspect.getmodule(g) is module:
+                    funcs.append(g)
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _starts_processes(item):
+            item.add_marker(pytest.mark.ranks)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_unless_marked(request, monkeypatch):
+    """A test not marked "ranks" that starts a process fails, naming the mark."""
+    if request.node.get_closest_marker("ranks") or \
+            request.node.get_closest_marker("slow"):
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(
+            f"{request.node.nodeid} starts a process but is not marked 'ranks' "
+            "(tests/conftest.py: _STARTS): `make check` would run it")
+
+    import subprocess
+
+    from labkit.runtime import forkserver
+
+    # every Popen, however imported (asyncio's too), and a bare fork
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
+    monkeypatch.setattr(forkserver, "shared", refuse)
+    yield

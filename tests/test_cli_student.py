@@ -149,6 +149,7 @@ def test_build_refuses_a_broken_layout_and_writes_nothing(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.ranks  # runs the chapter's prefix in a kernel (labkit.cli.student)
 def test_run_prefix_stops_before_the_first_exercise(tmp_path):
     nb = _nb(_cell("code", "x = 41"), _cell("code", "1 / 0", "raises-exception"),
              _cell("code", "assert x == 41"), _cell("code", STUB + "my_sum()",
