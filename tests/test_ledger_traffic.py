@@ -94,26 +94,26 @@ def test_point_to_point_and_barrier(ledgers):
     assert not [r for r in ledgers[2].records if r.op in ("send", "recv")]
     assert all(_one(t, "barrier").payload_bytes == 0 for t in ledgers)
     # everything rank 0 wrote = its collectives + the send, within 1%
-    colls = ledgers[0].total("wire_bytes")
+    colls = ledgers[0].sum("wire_bytes")
     assert approx(ledgers[0].written, colls + S)
-    assert approx(ledgers[1].written, ledgers[1].total("wire_bytes"))
+    assert approx(ledgers[1].written, ledgers[1].sum("wire_bytes"))
 
 
 def test_summaries_and_pickling(ledgers):
     t = ledgers[0]
     assert [r.rank for r in t.records] == [0] * len(t.records)
-    assert t.total("payload_bytes", op="all_reduce") == 4 * M
+    assert t.sum("payload_bytes", op="all_reduce") == 4 * M
     by_op = t.by_op()
     assert by_op["all_reduce"]["calls"] == 1
     assert by_op["all_reduce"]["wire_bytes"] == _one(t, "all_reduce").wire_bytes
     assert set(t.by_phase()) == {"other"}
     # each call is timed inside the ledger's block
-    assert 0 < t.total("seconds") <= t.stop - t.start, (
-        f"{t.total('seconds'):.4f} s of calls in a {t.stop - t.start:.4f} s block")
+    assert 0 < t.sum("seconds") <= t.stop - t.start, (
+        f"{t.sum('seconds'):.4f} s of calls in a {t.stop - t.start:.4f} s block")
     back = pickle.loads(pickle.dumps(t))
     assert back.records == t.records
     with pytest.raises(ValueError, match="field"):
-        t.total("colour")
+        t.sum("colour")
 
 
 def _ddp_and_phases(rank, world_size):

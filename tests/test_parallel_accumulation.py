@@ -192,11 +192,11 @@ def test_no_sync_sends_one_all_reduce_a_step_instead_of_k(measured):
             t = r["traffic"]
             calls = sum(rec.op == "all_reduce" for rec in t.records)
             assert calls == 3 * times, f"{what}, rank {rank}: {calls} all-reduces"
-            payload = t.total("payload_bytes", op="all_reduce")
+            payload = t.sum("payload_bytes", op="all_reduce")
             assert payload == times * 4 * PSI, (
                 f"{what}, rank {rank}: {payload:,} B all-reduced, "
                 f"{times} x 4Ψ = {times * 4 * PSI:,} expected")
-            sent = t.total("wire_bytes", op="all_reduce")
+            sent = t.sum("wire_bytes", op="all_reduce")
             assert abs(sent - times * all_reduce) <= 0.01 * times * all_reduce, (
                 f"{what}, rank {rank}: wrote {sent:,} B, {times} x 2(N-1)/N·4Ψ = "
                 f"{times * all_reduce:,.0f} ± 1% expected")
@@ -211,11 +211,11 @@ def test_zero2_reduce_scatters_every_micro_batch(measured):
         # gloo N broadcasts); stage 1 under no_sync: one all-reduce (above), the
         # same gather
         for op, times in (("all_to_all", K), ("broadcast", 1)):
-            sent = z2["traffic"].total("wire_bytes", op=op)
+            sent = z2["traffic"].sum("wire_bytes", op=op)
             assert abs(sent - times * share) <= 0.01 * times * share, (
                 f"ZeRO-2, rank {rank}: {op} wrote {sent:,} B, {times} x "
                 f"(N-1)/N·4·padded = {times * share:,.0f} ± 1% expected")
-        sent = z1["traffic"].total("wire_bytes", op="broadcast")
+        sent = z1["traffic"].sum("wire_bytes", op="broadcast")
         assert abs(sent - share) <= 0.01 * share, (
             f"ZeRO-1, rank {rank}: broadcasts wrote {sent:,} B, {share:,.0f} ± 1%")
         assert set(z2["traffic"].by_op()) == {"all_to_all", "broadcast"}, (

@@ -445,7 +445,7 @@ def test_traffic_is_three_times_n_minus_1_over_n_of_the_padded_parameters(measur
         for op, times in (("all_gather", 2),  # forward + backward
                           ("all_to_all", 1),  # the reduce-scatter
                           (None, 3)):
-            sent = t.total("wire_bytes", op=op) if op else t.total("wire_bytes")
+            sent = t.sum("wire_bytes", op=op) if op else t.sum("wire_bytes")
             assert abs(sent - times * share) <= 0.01 * times * share, (
                 f"{op or 'in all'}: wrote {sent:,} B, {times} x (N-1)/N·4·padded = "
                 f"{times * share:,.0f} ± 1% expected")

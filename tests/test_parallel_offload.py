@@ -11,7 +11,7 @@ import torch
 import labkit.ledger as L
 from labkit.ledger import on_host
 from labkit.numerics import Oracle
-from labkit.parallel.offload import OffloadedOptimizer, Transfer
+from labkit.parallel.offload import HostCopy, OffloadedOptimizer
 from labkit.parallel.precision import MasterWeights
 from labkit.theory.placement import PLACEMENTS
 
@@ -106,8 +106,8 @@ def test_bytes_moved_per_step_is_zero_offloads_closed_form(dtype, each_way):
     _train(model, opt, steps=3)
     # ZeRO-Offload (Ren et al. 2021, sec. 4.1): gradients down, parameters up, each
     # in the model's precision: 2Ψ + 2Ψ in mixed precision, 4Ψ + 4Ψ in fp32
-    want = [Transfer(each_way * psi, each_way * psi)] * 3
-    assert opt.transfers == want, f"transfers {opt.transfers}, {want} expected"
+    want = [HostCopy(each_way * psi, each_way * psi)] * 3
+    assert opt.host_copies == want, f"host copies {opt.host_copies}, {want} expected"
     assert opt.bytes_moved == [2 * each_way * psi] * 3, (
         f"{opt.bytes_moved} B a step, 2 x {each_way}Ψ = {2 * each_way * psi} expected")
     cost = PLACEMENTS["ZeRO-Offload"].cost(psi, 1, grad_bytes=each_way,

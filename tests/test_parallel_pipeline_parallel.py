@@ -12,7 +12,7 @@ from torch import nn
 
 from labkit.numerics import Oracle, rel_err
 from labkit.ledger import Span
-from labkit.parallel.pipeline_parallel import bubble_fractions, split_layers
+from labkit.parallel.pipeline_parallel import bubble_of_total_by_rank, split_layers
 from labkit.parallel.pipeline_schedules import stage_order
 from labkit.theory.pipeline import activations_in_flight
 
@@ -215,17 +215,17 @@ def test_one_stage_per_rank_runs_no_communication(trained):
                               ("B", 2)], r["order"]
 
 
-def test_bubble_fractions_from_spans():
+def test_bubble_of_total_by_rank_from_spans():
     # stage 0 computes 0-1 and 3-4, stage 1 1-3: window 0-4
     events = {0: [Span("compute", "forward 0", 0.0, 1.0),
                   Span("comm", "recv gradient 0", 1.0, 3.0),
                   Span("compute", "backward 0", 3.0, 4.0)],
               1: [Span("compute", "forward 0", 1.0, 2.0),
                   Span("compute", "backward 0", 2.0, 3.0)]}
-    got = bubble_fractions(events)
+    got = bubble_of_total_by_rank(events)
     assert got == [0.5, 0.5], f"bubble fractions {got}, [0.5, 0.5] expected"
     with pytest.raises(ValueError, match="no compute"):
-        bubble_fractions({0: []})
+        bubble_of_total_by_rank({0: []})
 
 
 # ------------------------------------------------------------- activations held

@@ -82,7 +82,7 @@ def test_interleaved_bubble_is_megatrons(p, m, v):
     # Narayanan et al. 2021, sec. 2.2.2: (p-1)/(v m) of the ideal time
     sim = simulate_schedule("interleaved", p, m, v, f=1, b=1, w=1)
     assert sim.bubble_of_ideal == pytest.approx(pipeline_bubble(p, m, v).of_ideal)
-    assert sim.bubble_fraction == pytest.approx(pipeline_bubble(p, m, v).of_total)
+    assert sim.bubble_of_total == pytest.approx(pipeline_bubble(p, m, v).of_total)
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (4, 4), (4, 8), (3, 7), (8, 8)])
@@ -95,7 +95,7 @@ def test_zb_h1_is_a_third_of_1f1b(p, m):
     assert zb.bubble_of_ideal == pytest.approx(zero_bubble_h1(p, m).of_ideal)
     for f, b, w in ((1, 2, 1), (2, 1, 0.5), (1, 1, 2), (0.5, 2, 1)):  # unequal
         sim = simulate_schedule("zb-h1", p, m, f=f, b=b, w=w)
-        assert sim.bubble_fraction == pytest.approx(
+        assert sim.bubble_of_total == pytest.approx(
             zero_bubble_h1(p, m, f, b, w).of_total)
 
 

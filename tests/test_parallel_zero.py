@@ -623,7 +623,7 @@ def test_stage2_holds_a_quarter_of_the_gradient(measured):
 
 
 def test_one_rule_for_gradients_buffers_are_temporaries(measured):
-    # the memory ledger's rule (labkit/ledger/memory.py): Gradient is what a rank
+    # the memory ledger's rule (labkit/ledger/memory_ledger.py): Gradient is what a rank
     # keeps between backward and step(); copies made to move gradients (buckets,
     # send and receive buffers) and what step() makes and uses are Temp. So no
     # mode books a buffer as Activation: every mode's Activation peak is the
@@ -655,7 +655,7 @@ def test_traffic_per_rank_is_that_of_an_all_reduce(measured):
             # reduce-scatter = all-to-all + local sum: (N-1)/N of the gradients;
             # the parameters' gather, N broadcasts or an all-gather: (N-1)/N too
             for op in ("all_to_all", gather):
-                sent = t.total("wire_bytes", op=op)
+                sent = t.sum("wire_bytes", op=op)
                 assert abs(sent - share) <= 0.01 * share, (
                     f"{mode}: {op} wrote {sent:,} B, (N-1)/N·4·padded = "
                     f"{share:,.0f} ± 1% expected")
@@ -666,12 +666,12 @@ def test_traffic_per_rank_is_that_of_an_all_reduce(measured):
     dp_formula = 2 * (N - 1) / N * 4 * PSI
     for mode in ("dp", "zero1_rs", "zero2"):
         for r in measured[mode]:
-            sent = r["traffic"].total("wire_bytes")
+            sent = r["traffic"].sum("wire_bytes")
             assert abs(sent - dp_formula) <= 0.01 * dp_formula, (
                 f"{mode}: wrote {sent:,} B, 2(N-1)/N·4Ψ = {dp_formula:,.0f} ± 1%")
     # pure ZeRO-1 after the caller's all-reduce: 3(N-1)/N, half as much again
     for r in measured["zero1"]:
-        sent = r["traffic"].total("wire_bytes")
+        sent = r["traffic"].sum("wire_bytes")
         assert abs(sent - 3 * share) <= 0.01 * share, (
             f"zero1: wrote {sent:,} B, 3(N-1)/N·4·padded = {3 * share:,.0f} ± 1%")
 

@@ -33,7 +33,7 @@ def test_whose_code_is_whose():
 def test_inside_labkit_the_line_is_the_students():
     stack = ((CELL, 3, "step"),
              (os.path.join(LABKIT, "parallel", "pipeline_parallel.py"), 226, "step"),
-             (os.path.join(LABKIT, "ledger", "traffic.py"), 155, "wait"))
+             (os.path.join(LABKIT, "ledger", "traffic_ledger.py"), 155, "wait"))
     line = describe_live(Status(5, None, stack, 3.2))
     assert line == "in step (labkit), line 3 of your cell: loss = pipe.step(x), 3.2 s"
 

@@ -16,7 +16,8 @@ from labkit.checks.common import (
     run_answer,
 )
 
-CATEGORIES = ("Parameter", "Gradient", "Optstate")
+# ZeRO's model states (Rajbhandari et al. 2020, sec. 3.1), in the ledger's names
+MODEL_STATES = ("Parameter", "Gradient", "Optstate")
 _HINTS = {
     "Parameter": "fp32 parameters take 4 bytes each, whatever the optimizer",
     "Gradient": "backward leaves one fp32 gradient per parameter: 4 bytes",
@@ -59,7 +60,7 @@ def check_optimizer_bytes(cluster, make_optimizer, predicted) -> bool:
     if not isinstance(predicted, dict):
         raise ExerciseError(f"predicted should be a dict like {{'Parameter': 4, ...}}"
                             f", got {type(predicted).__name__}")
-    empty = [c for c in CATEGORIES if predicted.get(c) is None]
+    empty = [c for c in MODEL_STATES if predicted.get(c) is None]
     if empty:
         print(f"predicted: {', '.join(empty)} not filled in yet (replace None with "
               "bytes per parameter), then run this cell again")
@@ -71,7 +72,7 @@ def check_optimizer_bytes(cluster, make_optimizer, predicted) -> bool:
             raise ExerciseError(f"rank {rank}: make_optimizer returned {r['type']}; "
                                 "the exercise swaps Adam for torch.optim.SGD")
         desc = f"SGD(momentum={r['momentum']:g})"
-        for cat in CATEGORIES:
+        for cat in MODEL_STATES:
             p = predicted[cat]
             if isinstance(p, bool) or not isinstance(p, (int, float)):
                 raise ExerciseError(f"predicted[{cat!r}] should be a number of bytes "
@@ -83,7 +84,7 @@ def check_optimizer_bytes(cluster, make_optimizer, predicted) -> bool:
                     f"the rank measured {measured:.2f} with your {desc}. "
                     f"Hint: {_HINTS[cat]}")
     r = res[0]
-    per = [round(r["current"].get(c, 0) / r["psi"], 2) for c in CATEGORIES]
+    per = [round(r["current"].get(c, 0) / r["psi"], 2) for c in MODEL_STATES]
     print(f"correct: {desc} holds {per[0]:g} + {per[1]:g} + {per[2]:g} = "
           f"{sum(per):g} bytes per parameter on every rank (fp32 Adam: 4 + 4 + 8 = 16)")
     return PASSED

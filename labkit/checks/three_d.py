@@ -142,20 +142,20 @@ def _ring_seconds(op, size, n, nodes, cl, alpha_in=None, alpha_out=None, bw=None
             + ring_bytes_per_rank(op, size, n) / beta)
 
 
-def check_ring_seconds(fn, cluster=None) -> bool:
-    """`fn(op, size, n, nodes, cluster)`: the α-β seconds of a ring collective of
-    `size` bytes over n ranks spread on `nodes` nodes of `cluster` (a
-    theory.Cluster): the ring's steps, those between nodes at
-    alpha_inter and the rest at alpha_intra, plus the bytes each rank sends over
-    NVLink (one node) or the network. Checked on four collectives, from one
-    node to 2048; the first wrong one is named, with what it looks like you
-    left out."""
+def check_ring_seconds(fn, spec=None) -> bool:
+    """`fn(op, size, n, nodes, spec)`: the α-β seconds of a ring collective of
+    `size` bytes over n ranks spread on `nodes` nodes of `spec` (a
+    theory.ClusterSpec; LLAMA3_CLUSTER by default): the ring's steps, those
+    between nodes at alpha_inter and the rest at alpha_intra, plus the bytes each
+    rank sends over NVLink (one node) or the network. Checked on four
+    collectives, from one node to 2048; the first wrong one is named, with what
+    it looks like you left out."""
     from labkit.checks.common import NOT_WRITTEN, call_answer
     from labkit.theory import LLAMA3_CLUSTER
 
-    cl = cluster or LLAMA3_CLUSTER
+    cl = spec or LLAMA3_CLUSTER
     for op, size, n, nodes in RING_CASES:
-        call = f"my_ring_seconds({op!r}, {size:.3g}, n={n}, nodes={nodes}, cluster)"
+        call = f"my_ring_seconds({op!r}, {size:.3g}, n={n}, nodes={nodes}, spec)"
         got = call_answer(fn, op, size, n, nodes, cl, what="my_ring_seconds")
         if got is NOT_WRITTEN:
             return NOT_YET

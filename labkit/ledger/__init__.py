@@ -12,28 +12,29 @@ when anything runs.
 
 from labkit.runtime import forkserver as _forkserver
 from labkit.ledger.common import Ledger
-from labkit.ledger.holdings import Holdings, holdings
-from labkit.ledger.memory import CATEGORIES, MemoryLedger, Step, memory
+from labkit.ledger.holdings_ledger import Holdings, holdings
+from labkit.ledger.memory_ledger import CATEGORIES, MemoryLedger, Step, memory
 from labkit.ledger.tagging import count_as, on_host
-from labkit.ledger.timeline import (
+from labkit.ledger.timeline_ledger import (
     Span,
     TimelineLedger,
     overlap_fraction,
     timeline,
     union,
 )
-from labkit.ledger.traffic import (
+from labkit.ledger.traffic_ledger import (
     Record,
     TrafficLedger,
     by_group,
+    sum_records,
     summarize,
-    total,
     traffic,
 )
 
 __all__ = ["CATEGORIES", "Holdings", "MemoryLedger", "Record", "Step",
            "Span", "TimelineLedger", "TrafficLedger", "count_as", "holdings", "memory",
-           "on_host", "overlap_fraction", "summarize", "timeline", "total", "traffic"]
+           "on_host", "overlap_fraction", "sum_records", "summarize", "timeline",
+           "traffic"]
 __all__ += ["Ledger", "by_group", "union"]
 
 # ranks forked from now on start with the ledger imported (DTensor: ~2 s each)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from labkit.ledger._torch_memtracker import CATEGORIES
-from labkit.ledger.holdings import storages
+from labkit.ledger.holdings_ledger import storages
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-from labkit.ledger.memory import CATEGORIES
+from labkit.ledger.memory_ledger import CATEGORIES
 
 
 def _recording_ledger():

@@ -29,8 +29,8 @@ from labkit.parallel.checkpointing import (
 from labkit.parallel.data_parallel import DataParallel
 from labkit.parallel.fsdp import FullyShardedDataParallel
 from labkit.parallel.groups import ParallelGroups, grid
-from labkit.parallel.offload import OffloadedOptimizer, Transfer
-from labkit.parallel.pipeline_parallel import PipelineParallel, bubble_fractions
+from labkit.parallel.offload import HostCopy, OffloadedOptimizer
+from labkit.parallel.pipeline_parallel import PipelineParallel, bubble_of_total_by_rank
 from labkit.parallel.pipeline_schedules import simulate_schedule, stage_order
 from labkit.parallel.precision import MasterWeights
 from labkit.parallel.ring_attention import ring_attention
@@ -76,13 +76,14 @@ from labkit.parallel.tensor_parallel_mappings import (
 )
 
 __all__ = ["Checkpointed", "DataParallel", "Flops", "FullyShardedDataParallel",
-           "MasterWeights",
-           "OffloadedOptimizer", "ShardedOptimizer", "StepTime", "Transfer",
+           "HostCopy", "MasterWeights",
+           "OffloadedOptimizer", "ShardedOptimizer", "StepTime",
            "checkpoint", "count_flops", "time_step"]
 __all__ += ["ColumnParallelLinear", "ParallelGroups", "ParallelMLP",
             "ParallelSelfAttention", "ParallelTransformerLayer", "RowParallelLinear",
             "TransformerLayer", "grid", "ring_attention"]
-__all__ += ["PipelineParallel", "bubble_fractions", "simulate_schedule", "stage_order"]
+__all__ += ["PipelineParallel", "bubble_of_total_by_rank", "simulate_schedule",
+            "stage_order"]
 __all__ += ["ThreeD", "TinyGPT", "lm_loss", "stage_layers"]
 __all__ += ["checkpoint_bytes", "load_full_state_dict", "load_sharded", "save_sharded"]
 # named by chapters (one face per layer: tests/test_public_faces.py)

@@ -58,8 +58,6 @@ from labkit.parallel.data_parallel_buckets import (
 )
 from labkit.ledger import Span
 
-MODES = ("overlap", "naive", "parameter_server")
-
 
 class DataParallel(torch.nn.Module):
     """Average gradients of `module` over the ranks of `group` (default: all).
@@ -70,8 +68,11 @@ class DataParallel(torch.nn.Module):
     (about the order backward produces them), fill buckets of about bucket_mb MiB;
     first_bucket_mb caps the first one (DDP's defaults: 25 and 1).
     broadcast_buffers: send rank 0's buffers at every forward, as DDP does.
-    `events` holds this step's compute and communication spans (see events.py).
+    `events` holds this step's compute and communication spans (labkit.ledger's
+    Span). `mode` is one of MODES.
     """
+
+    MODES = ("overlap", "naive", "parameter_server")
 
     def __init__(self, module: torch.nn.Module, bucket_mb: float | None = None,
                  mode: str = "overlap", *, broadcast_buffers: bool = False,
@@ -81,8 +82,8 @@ class DataParallel(torch.nn.Module):
         if first_bucket_mb is not None and not first_bucket_mb > 0:
             raise ValueError(
                 f"first_bucket_mb must be > 0 MiB, got {first_bucket_mb!r}")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {self.MODES}, not {mode!r}")
         if bucket_mb is not None and not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0 MiB (or None: one collective "
                              f"per parameter), got {bucket_mb!r}")

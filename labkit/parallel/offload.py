@@ -21,7 +21,7 @@ Host buffers (pinned when the parameters are on CUDA, so copies can be async):
 `stage`, one per parameter in the model's dtype, carries gradients down and the
 rounded parameters up; in mixed precision the host also keeps an fp32 gradient.
 On a CPU-only machine host and device are one memory: the same copies still run
-between separate tensors, `transfers` counts them, and the memory ledger counts the
+between separate tensors, `host_copies` counts them, and the memory ledger counts the
 host side apart from the device's (`ledger.host`), as it would be on a GPU.
 """
 
@@ -38,8 +38,9 @@ HOST = torch.device("cpu")
 
 
 @dataclass(frozen=True)
-class Transfer:
-    """Bytes one step moved: gradients down (device -> host), parameters up."""
+class HostCopy:
+    """Bytes one step copied between host and device: gradients down (device -> host),
+    parameters up (host -> device)."""
 
     down: int
     up: int
@@ -68,8 +69,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         opt = OffloadedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
 
     `param_groups` hold your (device) parameters, so lr schedulers work as usual;
-    `state` is the host optimizer's (keyed by the masters); `transfers` has one
-    `Transfer` per step. `pin_memory` defaults to "the parameters are on CUDA".
+    `state` is the host optimizer's (keyed by the masters); `host_copies` has one
+    `HostCopy` per step. `pin_memory` defaults to "the parameters are on CUDA".
     """
 
     def __init__(self, params, optimizer_cls: type[torch.optim.Optimizer], *,
@@ -77,7 +78,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._cls, self._pin_arg = optimizer_cls, pin_memory
         self._slots: dict = {}  # device parameter -> _Slot
         self.inner = None  # the host optimizer, made once the groups are known
-        self.transfers: list[Transfer] = []
+        self.host_copies: list[HostCopy] = []
         super().__init__(params, dict(optimizer_kwargs))
         self.inner = optimizer_cls(
             [self._host_group(g) for g in self.param_groups], **optimizer_kwargs)
@@ -86,7 +87,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     @property
     def bytes_moved(self) -> list[int]:
         """Bytes over PCIe (or host memory to host memory, CPU-only) per step."""
-        return [t.total for t in self.transfers]
+        return [c.total for c in self.host_copies]
 
     @property
     def master(self) -> list[torch.Tensor]:
@@ -171,7 +172,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             p.copy_(src, non_blocking=src.is_pinned())
             up += _nbytes(src)
             s.master.grad = None
-        self.transfers.append(Transfer(down, up))
+        self.host_copies.append(HostCopy(down, up))
 
     # -- checkpoints ----------------------------------------------------------------
 

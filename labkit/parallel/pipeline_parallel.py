@@ -244,7 +244,7 @@ class PipelineParallel(torch.nn.Module):
         return tuple(h[2:2 + int(h[1])].tolist()), _DTYPES[int(h[0])]
 
 
-def bubble_fractions(events_by_rank) -> list[float]:
+def bubble_of_total_by_rank(events_by_rank) -> list[float]:
     """Each rank's idle share of the step, from its compute spans: 1 - (time it
     computed) / (first compute start to last compute end, over all ranks). The
     ranks' clocks are one (CLOCK_MONOTONIC), so their spans share a time axis."""

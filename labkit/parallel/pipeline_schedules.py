@@ -148,8 +148,9 @@ class Simulation:
         return 1 - self.busy(rank) / self.makespan
 
     @property
-    def bubble_fraction(self) -> float:
-        """Idle share of the step, averaged over the ranks."""
+    def bubble_of_total(self) -> float:
+        """Idle time over the whole step, averaged over the ranks
+        (theory.pipeline_bubble's of_total: (p-1)/(m+p-1) for GPipe and 1F1B)."""
         return sum(self.bubble(r) for r in self.ops) / self.p
 
     @property

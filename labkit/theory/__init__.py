@@ -30,7 +30,7 @@ from labkit.theory.layout import (
     LLAMA3_CLUSTER,
     PUBLISHED_RUNS,
     WASTEFUL_MFU,
-    Cluster,
+    ClusterSpec,
     choose,
     estimate,
     explain,
@@ -82,7 +82,7 @@ __all__ += ["LayerParams", "LayerTraffic", "activation_terms", "layer_params",
             "layer_traffic", "zero_bubble_h1"]
 # the layout calculator (labkit.theory.layout): what chapters and other layers use
 __all__ += ["A100_SELENE", "H100_NODE", "LLAMA3_CLUSTER", "PUBLISHED_RUNS",
-            "WASTEFUL_MFU", "Cluster", "choose", "estimate", "explain", "find",
+            "WASTEFUL_MFU", "ClusterSpec", "choose", "estimate", "explain", "find",
             "flops_per_token", "gemm_time", "layer_gemms", "ring_latency", "scale"]
 # for chapters and the layers above (tests/test_public_faces.py)
 __all__ += ["RECOMPUTE", "SCORE_TERMS", "TERM_GROUP", "check_counts", "hardware"]

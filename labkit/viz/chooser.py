@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from labkit.theory import (
     PUBLISHED_RUNS,
     WASTEFUL_MFU,
-    Cluster,
+    ClusterSpec,
     choose,
     explain,
     find,
@@ -80,7 +80,7 @@ def step_time_bars(ranked, *, published=None, top: int = 5) -> Figure:
     return fig
 
 
-def gemm_roofline(cluster: Cluster, gemms: dict, *, title: str = "") -> Figure:
+def gemm_roofline(cluster: ClusterSpec, gemms: dict, *, title: str = "") -> Figure:
     """One GPU's roofline (Williams, Waterman & Patterson 2009): attainable
     TFLOPS against arithmetic intensity (FLOPs per byte of HBM traffic), the
     roof min(peak x gemm_efficiency, intensity x HBM bandwidth), and each bf16
@@ -113,7 +113,7 @@ def gemm_roofline(cluster: Cluster, gemms: dict, *, title: str = "") -> Figure:
     return fig
 
 
-def _defaults(model: str) -> tuple[int, int, Cluster | None]:
+def _defaults(model: str) -> tuple[int, int, ClusterSpec | None]:
     run = next((r for r in PUBLISHED_RUNS.values() if r.model == model), None)
     if run is not None:
         return run.global_batch_tokens, run.seq, run.cluster
@@ -162,7 +162,7 @@ class StrategyChooser(W.VBox):
                           self.info, self.table, self.out])
         self._draw()
 
-    def cluster(self) -> Cluster:
+    def cluster(self) -> ClusterSpec:
         """The controls' cluster; its GPU (peak, HBM, GEMM efficiency) and
         latencies are the model's published run's (A100 for GPT-3, H100/H800
         otherwise)."""

@@ -137,7 +137,7 @@ def pipeline_timeline(events, *, ax=None, title: str = "", legend: bool = True
     sends (posted to done) are thin bars below. Time counts from the first pass: a
     receive posted earlier (during the previous step) is drawn from there. The
     title gives each stage's bubble."""
-    from labkit.parallel import bubble_fractions
+    from labkit.parallel import bubble_of_total_by_rank
 
     ranks = _per_rank(events)
     compute = [s for evs in ranks.values() for s in evs if s.kind == "compute"]
@@ -154,7 +154,7 @@ def pipeline_timeline(events, *, ax=None, title: str = "", legend: bool = True
     window = (ms(min(s.start for s in compute)), ms(max(s.end for s in compute)))
     fig, ax = _axes(ax, (9, 0.9 + 0.75 * len(ranks)))
     _draw(ax, lanes, comm, window, legend=legend)
-    bubbles = bubble_fractions(list(ranks.values()))
+    bubbles = bubble_of_total_by_rank(list(ranks.values()))
     head = f"{title}: " if title else ""
     ax.set_title(f"{head}idle " + ", ".join(f"{b:.0%} on stage {r}" for r, b in
                                            zip(ranks, bubbles))
@@ -197,7 +197,7 @@ def schedule_timeline(sim, *, ax=None, title: str = "", legend: bool | str = Tru
           label_size=label_size)
     v = f", v={sim.v}" if sim.v > 1 else ""
     head = title or f"{sim.schedule}, p={sim.p}, m={sim.m}{v}"
-    ax.set_title(f"{head}: idle {sim.bubble_fraction:.1%} of the step "
+    ax.set_title(f"{head}: idle {sim.bubble_of_total:.1%} of the step "
                  "(simulated)", fontsize=10)
     ax.set_xlabel(f"time (1 = {unit})")
     return fig

@@ -3,7 +3,7 @@ per device on a cluster, in closed form, and a chooser that ranks layouts.
 
 Each module imports only those before it (no cycles):
 
-    cluster     Cluster, its sourced constants, the published clusters
+    cluster     ClusterSpec, its sourced constants, the published clusters
     layout      Layout, check_layout, StepShape, which groups sit in a node
     counts      parameters per device, FLOPs per token
     roofline    gemm_time, layer_gemms, compute_slowdown, model_time
@@ -26,7 +26,7 @@ from labkit.theory.layout.cluster import (
     DEEPSEEK_V3_CLUSTER,
     H100_NODE,
     LLAMA3_CLUSTER,
-    Cluster,
+    ClusterSpec,
 )
 from labkit.theory.layout.counts import flops_per_token
 from labkit.theory.layout.layout import DIMS, Layout, check_layout
@@ -36,13 +36,13 @@ from labkit.theory.layout.ranking import Ranked, choose, explain, find
 from labkit.theory.layout.roofline import compute_slowdown, gemm_time, layer_gemms
 from labkit.theory.layout.runs import PUBLISHED_RUNS, PublishedRun
 from labkit.theory.layout.scaling import WASTEFUL_MFU, Scale, scale
-from labkit.theory.layout.time import bubble_fraction, ring_latency
+from labkit.theory.layout.time import bubble_of_ideal, ring_latency
 
 __all__ = [
     "A100_SELENE", "DEEPSEEK_V3_CLUSTER", "DIMS", "H100_NODE", "LLAMA3_CLUSTER",
     "LLAMA3_LONG_CONTEXT", "PUBLISHED_LAYOUTS", "PUBLISHED_RUNS", "WASTEFUL_MFU",
-    "Cluster", "Estimate", "Layout", "PublishedRun", "Ranked", "Scale",
-    "activations_held", "bubble_fraction", "check_layout", "choose",
+    "ClusterSpec", "Estimate", "Layout", "PublishedRun", "Ranked", "Scale",
+    "activations_held", "bubble_of_ideal", "check_layout", "choose",
     "compute_slowdown", "estimate", "explain", "find", "flops_per_token",
     "gemm_time", "layer_gemms", "ring_latency", "scale",
 ]

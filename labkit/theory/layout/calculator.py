@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from labkit.theory.layout.breakdown import Estimate
-from labkit.theory.layout.cluster import Cluster
+from labkit.theory.layout.cluster import ClusterSpec
 from labkit.theory.layout.layout import DIMS, Layout, groups_in_node, step_shape
 from labkit.theory.layout.memory import memory
 from labkit.theory.layout.reasons import reasons
@@ -26,7 +26,7 @@ from labkit.theory.layout.traffic import traffic
 from labkit.theory.models import ModelConfig
 
 
-def estimate(model: ModelConfig, layout: Layout, cluster: Cluster,
+def estimate(model: ModelConfig, layout: Layout, cluster: ClusterSpec,
              global_batch_tokens: int, seq: int, dtype_bytes: int = 2) -> Estimate:
     """Memory (memory), traffic (traffic) and step time (time) per device of
     `layout` training `model` on `cluster`, `global_batch_tokens` per step in

@@ -1,5 +1,6 @@
-"""The cluster a layout runs on: memory, links, latencies and the GPU's speed,
-each constant with its source, and the clusters of the published runs.
+"""The cluster a layout runs on, described (ClusterSpec: memory, links, latencies
+and the GPU's speed, each constant with its source), and the clusters of the
+published runs. Not labkit.Cluster, the pool of ranks a notebook runs code on.
 
 Hardware figures (memory, bandwidths, peaks) come from labkit.theory.hardware,
 where each is written once."""
@@ -38,7 +39,7 @@ GEMM_EFFICIENCY_A100 = 271.2e12 / hardware.A100_BF16_DENSE
 
 
 @dataclass(frozen=True)
-class Cluster:
+class ClusterSpec:
     """GPUs in nodes: memory per GPU (bytes), bandwidth per GPU per direction
     inside a node (intra_bw) and between nodes (inter_bw), bytes/s; flops: dense
     bf16 peak per GPU; hbm_bw: its memory bandwidth, bytes/s; gemm_efficiency:
@@ -78,10 +79,10 @@ class Cluster:
 
 # H100 SXM: 80 GB HBM3, dense bf16 peak, NVLink 4 per direction per GPU and one
 # InfiniBand NDR NIC per GPU: hardware.py. HBM, GEMM efficiency and α: the
-# defaults of Cluster, each sourced above.
-H100_NODE = Cluster(80e9, 8, 1, hardware.NVLINK4_GPU.bandwidth,
-                    hardware.IB_NDR_GPU.bandwidth, hardware.H100_BF16_DENSE,
-                    name="one H100 node")
+# defaults of ClusterSpec, each sourced above.
+H100_NODE = ClusterSpec(80e9, 8, 1, hardware.NVLINK4_GPU.bandwidth,
+                        hardware.IB_NDR_GPU.bandwidth, hardware.H100_BF16_DENSE,
+                        name="one H100 node")
 # Llama Team 2024, "The Llama 3 Herd of Models", sec. 3.3.1: up to 16K H100 80 GB
 # (700 W) in Grand Teton servers of 8, NVLink inside a server, 400 Gb/s RoCE
 # between GPUs; table 4: 38-43 % BF16 MFU (41 % at 16K GPUs and 8K tokens, 38 %
@@ -92,14 +93,15 @@ LLAMA3_CLUSTER = dataclasses.replace(H100_NODE, nodes=2048,
 # GPUs, 8 per node; NVLink 160 GB/s and InfiniBand 50 GB/s per GPU. The H800's
 # dense bf16 peak is the H100 SXM's (its NVLink is what was cut); DeepSeek-V3 ran
 # its GEMMs in FP8, which this calculator does not model.
-DEEPSEEK_V3_CLUSTER = Cluster(80e9, 8, 256, 160e9, hardware.IB_NDR_GPU.bandwidth,
-                              hardware.H100_BF16_DENSE,
-                              name="DeepSeek-V3: 2048 H800 80 GB")
+DEEPSEEK_V3_CLUSTER = ClusterSpec(80e9, 8, 256, 160e9,
+                                  hardware.IB_NDR_GPU.bandwidth,
+                                  hardware.H100_BF16_DENSE,
+                                  name="DeepSeek-V3: 2048 H800 80 GB")
 # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
 # Clusters Using Megatron-LM", sec. 5: Selene, DGX A100 80 GB nodes of 8 (the
 # A100's figures: hardware.py); GEMMs at 86.9 % of the peak (above).
-A100_SELENE = Cluster(80e9, 8, 192, hardware.NVLINK3_GPU.bandwidth,
-                      hardware.IB_HDR_GPU.bandwidth, hardware.A100_BF16_DENSE,
-                      hbm_bw=HBM_A100, gemm_efficiency=GEMM_EFFICIENCY_A100,
-                      alpha_intra=ALPHA_NVLINK, alpha_inter=ALPHA_NETWORK,
-                      name="Selene: 1536 A100 80 GB")
+A100_SELENE = ClusterSpec(80e9, 8, 192, hardware.NVLINK3_GPU.bandwidth,
+                          hardware.IB_HDR_GPU.bandwidth, hardware.A100_BF16_DENSE,
+                          hbm_bw=HBM_A100, gemm_efficiency=GEMM_EFFICIENCY_A100,
+                          alpha_intra=ALPHA_NVLINK, alpha_inter=ALPHA_NETWORK,
+                          name="Selene: 1536 A100 80 GB")

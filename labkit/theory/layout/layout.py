@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit.theory._validate import check_counts
-from labkit.theory.layout.cluster import Cluster
+from labkit.theory.layout.cluster import ClusterSpec
 from labkit.theory.models import ModelConfig
 
 DIMS = ("tp", "cp", "pp", "dp", "ep")
@@ -110,7 +110,7 @@ class StepShape:
         return self.microbatch * self.local_seq
 
 
-def check_layout(model: ModelConfig, layout: Layout, cluster: Cluster,
+def check_layout(model: ModelConfig, layout: Layout, cluster: ClusterSpec,
                  global_batch_tokens: int, seq: int) -> int:
     """Raise ValueError where the layout cannot run; return sequences per
     data-parallel replica."""
@@ -154,7 +154,7 @@ def check_layout(model: ModelConfig, layout: Layout, cluster: Cluster,
     return per_replica
 
 
-def step_shape(model: ModelConfig, layout: Layout, cluster: Cluster,
+def step_shape(model: ModelConfig, layout: Layout, cluster: ClusterSpec,
                global_batch_tokens: int, seq: int) -> StepShape:
     """One device's work per step (check_layout first: ValueError where the
     layout cannot run)."""

@@ -10,7 +10,7 @@ from itertools import product
 
 from labkit.theory.layout.breakdown import Estimate
 from labkit.theory.layout.calculator import estimate
-from labkit.theory.layout.cluster import Cluster
+from labkit.theory.layout.cluster import ClusterSpec
 from labkit.theory.layout.layout import Layout
 from labkit.theory.layout.published import PUBLISHED_LAYOUTS
 from labkit.theory.models import MODELS, ModelConfig
@@ -53,7 +53,7 @@ def _schedules(pp: int) -> list[dict]:
     return out + ([{"dualpipe": True}] if pp % 2 == 0 else [])
 
 
-def candidates(model: ModelConfig, cluster: Cluster, global_batch_tokens: int,
+def candidates(model: ModelConfig, cluster: ClusterSpec, global_batch_tokens: int,
                seq: int, gpus: int, inter_node_tp: bool = False,
                sequence_parallel: bool = True):
     """Every layout on exactly `gpus` GPUs: powers of two and the published
@@ -89,7 +89,7 @@ def candidates(model: ModelConfig, cluster: Cluster, global_batch_tokens: int,
                                      sequence_parallel=sequence_parallel, **schedule)
 
 
-def choose(model: ModelConfig | str, cluster: Cluster, global_batch_tokens: int,
+def choose(model: ModelConfig | str, cluster: ClusterSpec, global_batch_tokens: int,
            seq: int, max_gpus: int | None = None,
            inter_node_tp: bool = False,
            sequence_parallel: bool = True) -> list[Ranked]:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from labkit.theory.layout.breakdown import Estimate
-from labkit.theory.layout.cluster import Cluster
+from labkit.theory.layout.cluster import ClusterSpec
 from labkit.units import percent, si_bytes
 
 # si_bytes writes kB, MB or GB: a small model's bytes never read 0.0 GB
 _WHERE = {True: "inside a node", False: "across nodes"}
 
 
-def reasons(est: Estimate, cluster: Cluster) -> list[str]:
+def reasons(est: Estimate, cluster: ClusterSpec) -> list[str]:
     """Plain sentences on why this layout costs what it costs."""
     layout, out = est.layout, []
     link = {True: f"NVLink ({cluster.intra_bw / 1e9:,.0f} GB/s)",

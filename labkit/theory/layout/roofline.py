@@ -5,19 +5,19 @@ model for multicore architectures"): a kernel takes at least its FLOPs over the
 peak and at least its bytes over the memory bandwidth. For one product of an
 (m x k) by a (k x n) matrix in bf16: max(2mnk / (peak x efficiency),
 2 (mk + kn + mn) / HBM), the efficiency being what a large product reaches
-(Cluster.gemm_efficiency). The backward runs two more products with the same
+(ClusterSpec.gemm_efficiency). The backward runs two more products with the same
 three operands (dX = dY W^T, dW = X^T dY): three times the forward's time.
 """
 
 from __future__ import annotations
 
-from labkit.theory.layout.cluster import Cluster
+from labkit.theory.layout.cluster import ClusterSpec
 from labkit.theory.layout.counts import flops_per_token
 from labkit.theory.layout.layout import Layout, StepShape
 from labkit.theory.models import ModelConfig
 
 
-def gemm_time(m: float, n: float, k: float, cluster: Cluster,
+def gemm_time(m: float, n: float, k: float, cluster: ClusterSpec,
               dtype_bytes: int = 2) -> float:
     """Seconds for one (m x k) @ (k x n) product on one GPU, by the roofline."""
     flops = 2 * m * n * k / (cluster.flops * cluster.gemm_efficiency)
@@ -64,7 +64,7 @@ def layer_gemms(model: ModelConfig, tokens: float, tp: int, ep: int,
 
 
 def layer_seconds(model: ModelConfig, tokens: float, seq: int, tp: int, ep: int,
-                  moe: bool, cluster: Cluster) -> tuple[float, float]:
+                  moe: bool, cluster: ClusterSpec) -> tuple[float, float]:
     """(roofline seconds, seconds at the full peak) of one layer's forward and
     backward for one micro-batch on one device. Attention's scores (12·h·seq
     FLOPs per token, forward and backward) are priced as compute at the GEMM
@@ -78,7 +78,7 @@ def layer_seconds(model: ModelConfig, tokens: float, seq: int, tp: int, ep: int,
 
 
 def compute_slowdown(model: ModelConfig, tokens: float, seq: int, tp: int, ep: int,
-                     cluster: Cluster) -> float:
+                     cluster: ClusterSpec) -> float:
     """Roofline time over peak time for this layout's layers (dense and MoE
     weighted by their counts): 1 / gemm_efficiency where every product is large,
     more where thin per-device shapes leave it bound by HBM."""
@@ -93,7 +93,7 @@ def compute_slowdown(model: ModelConfig, tokens: float, seq: int, tp: int, ep: i
     return roofline / at_peak
 
 
-def model_time(model: ModelConfig, layout: Layout, cluster: Cluster,
+def model_time(model: ModelConfig, layout: Layout, cluster: ClusterSpec,
                shape: StepShape) -> float:
     """Seconds one device's share of the model's FLOPs (no recomputation) takes
     at the full peak: its pipeline's tokens (the batch over DP x CP), its 1 / (TP

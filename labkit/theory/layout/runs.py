@@ -12,7 +12,7 @@ from labkit.theory.layout.cluster import (
     A100_SELENE,
     DEEPSEEK_V3_CLUSTER,
     LLAMA3_CLUSTER,
-    Cluster,
+    ClusterSpec,
 )
 from labkit.theory.layout.layout import Layout
 from labkit.theory.layout.published import PUBLISHED_LAYOUTS
@@ -24,7 +24,7 @@ from labkit.theory.models import MODELS
 class PublishedRun:
     model: str  # key of theory.MODELS
     layout: Layout
-    cluster: Cluster
+    cluster: ClusterSpec
     global_batch_tokens: int
     seq: int
     source: str

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.theory.layout.cluster import Cluster
+from labkit.theory.layout.cluster import ClusterSpec
 from labkit.theory.layout.ranking import Ranked, choose
 from labkit.theory.models import MODELS, ModelConfig
 from labkit.units import percent, seconds
@@ -73,7 +73,7 @@ def _counts(gpus: int) -> list[int]:
     return out + [gpus]
 
 
-def scale(model: ModelConfig | str, cluster: Cluster, global_batch_tokens: int,
+def scale(model: ModelConfig | str, cluster: ClusterSpec, global_batch_tokens: int,
           seq: int, ranked: list[Ranked] | None = None,
           inter_node_tp: bool = False) -> Scale:
     """The fewest GPUs (1, 2, 4, ..., all) the model fits on and, where its

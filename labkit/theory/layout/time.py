@@ -5,7 +5,7 @@ step), and the pipeline bubble."""
 from __future__ import annotations
 
 from labkit.theory.collective_cost import latency_steps
-from labkit.theory.layout.cluster import Cluster
+from labkit.theory.layout.cluster import ClusterSpec
 from labkit.theory.layout.layout import (
     DIMS,
     Layout,
@@ -18,7 +18,7 @@ from labkit.theory.models import ModelConfig
 from labkit.theory.pipeline import pipeline_bubble
 
 
-def bubble_fraction(layout: Layout) -> float:
+def bubble_of_ideal(layout: Layout) -> float:
     """Idle time over busy time per step. 1F1B (p-1)/m, interleaved (p-1)/(v m)
     (theory.pipeline_bubble). DualPipe's idle is (p/2 - 1)(F&B + B - 3W)
     (DeepSeek-AI 2024, table 2); we take F = B = W and the overlapped F&B chunk
@@ -72,7 +72,7 @@ def dp_latency_of(stage: int, n: int, nodes: int, layers: int, m: int,
     return out
 
 
-def latency(layout: Layout, cluster: Cluster, shape: StepShape) -> dict[str, float]:
+def latency(layout: Layout, cluster: ClusterSpec, shape: StepShape) -> dict[str, float]:
     """Seconds of α per step for TP, CP, PP and EP (collectives per step x
     ring_latency; one α per pipeline send)."""
     alpha_in, alpha_out = cluster.alpha_intra, cluster.alpha_inter
@@ -92,7 +92,7 @@ def latency(layout: Layout, cluster: Cluster, shape: StepShape) -> dict[str, flo
     return out
 
 
-def dp_latency(model: ModelConfig, layout: Layout, cluster: Cluster,
+def dp_latency(model: ModelConfig, layout: Layout, cluster: ClusterSpec,
                shape: StepShape) -> dict[str, float]:
     """Seconds of α per step for data parallelism, by phase (dp_latency_of), the
     dense group's and the routed experts' added."""
@@ -108,7 +108,7 @@ def dp_latency(model: ModelConfig, layout: Layout, cluster: Cluster,
     return out
 
 
-def _dp_exposed(model: ModelConfig, layout: Layout, cluster: Cluster,
+def _dp_exposed(model: ModelConfig, layout: Layout, cluster: ClusterSpec,
                 shape: StepShape, bandwidth: float, compute: float,
                 dtype_bytes: int) -> float:
     """DP's seconds that the compute running while they can go does not hide:
@@ -124,7 +124,7 @@ def _dp_exposed(model: ModelConfig, layout: Layout, cluster: Cluster,
                                              dtype_bytes).items())
 
 
-def time(model: ModelConfig, layout: Layout, cluster: Cluster, shape: StepShape,
+def time(model: ModelConfig, layout: Layout, cluster: ClusterSpec, shape: StepShape,
          sent: dict[str, float], roofline_compute: float,
          dtype_bytes: int = 2) -> dict[str, float]:
     """Seconds per step: compute, then each dimension's exposed communication,
@@ -134,7 +134,7 @@ def time(model: ModelConfig, layout: Layout, cluster: Cluster, shape: StepShape,
     lies in a node, else over the NIC, plus α per ring step (NCCL's intra- and
     inter-node α, ring_latency). DualPipe hides EP and PP under compute; DP hides
     under the compute that runs while it can go (_dp_exposed); the bubble is
-    bubble_fraction of the rest."""
+    bubble_of_ideal of the rest."""
     in_node = groups_in_node(layout, cluster.gpus_per_node)
     bandwidth = {dim: cluster.intra_bw if in_node[dim] else cluster.inter_bw
                  for dim in DIMS}
@@ -150,5 +150,5 @@ def time(model: ModelConfig, layout: Layout, cluster: Cluster, shape: StepShape,
     seconds["dp"] = _dp_exposed(model, layout, cluster, shape, bandwidth["dp"],
                                 compute, dtype_bytes)
     busy = compute + sum(seconds[dim] for dim in ("tp", "cp", "pp", "ep"))
-    seconds["bubble"] = bubble_fraction(layout) * busy
+    seconds["bubble"] = bubble_of_ideal(layout) * busy
     return seconds

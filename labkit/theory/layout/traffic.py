@@ -4,7 +4,7 @@ when its data-parallel bytes can go (ring collectives throughout)."""
 from __future__ import annotations
 
 from labkit.theory.collective_cost import ring_bytes_per_rank
-from labkit.theory.layout.cluster import Cluster
+from labkit.theory.layout.cluster import ClusterSpec
 from labkit.theory.layout.counts import params_per_device
 from labkit.theory.layout.layout import DIMS, Layout, StepShape
 from labkit.theory.models import ModelConfig
@@ -76,7 +76,7 @@ def _cp_layer_bytes(model: ModelConfig, layout: Layout, shape: StepShape,
             + ring_bytes_per_rank("reduce_scatter", kv, layout.cp))
 
 
-def _ep_layer_bytes(model: ModelConfig, layout: Layout, cluster: Cluster,
+def _ep_layer_bytes(model: ModelConfig, layout: Layout, cluster: ClusterSpec,
                     shape: StepShape, dtype_bytes: int) -> float:
     """EP's dispatch and combine all-to-alls of the routed tokens, forward and
     backward; a token's copies are capped by node-limited routing where the
@@ -89,7 +89,7 @@ def _ep_layer_bytes(model: ModelConfig, layout: Layout, cluster: Cluster,
     return 2 * 2 * ring_bytes_per_rank("all_to_all", routed, layout.ep)
 
 
-def traffic(model: ModelConfig, layout: Layout, cluster: Cluster, shape: StepShape,
+def traffic(model: ModelConfig, layout: Layout, cluster: ClusterSpec, shape: StepShape,
             dtype_bytes: int = 2) -> dict[str, float]:
     """Bytes each device sends per step (ring collectives), by dimension: TP 4
     all-reduces per layer per micro-batch (6 with full recomputation); CP

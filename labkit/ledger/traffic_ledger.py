@@ -261,9 +261,14 @@ class TrafficLedger(Ledger, TorchDispatchMode):
 
     # -- summaries ---------------------------------------------------------------
 
-    def total(self, field: str = "wire_bytes", **where) -> float:
+    @property
+    def total(self) -> float:
+        """Wire bytes of every call (a send's, not waited for, count as 0)."""
+        return self.sum("wire_bytes")
+
+    def sum(self, field: str = "wire_bytes", **where) -> float:
         """Sum of a field over the records matching `where` (e.g. op="all_reduce")."""
-        return total(self.records, field, **where)
+        return sum_records(self.records, field, **where)
 
     def by_op(self) -> dict[str, dict[str, float]]:
         return summarize(self.records, "op")
@@ -282,7 +287,7 @@ class TrafficLedger(Ledger, TorchDispatchMode):
 
     def __repr__(self) -> str:
         return (f"TrafficLedger(rank={self.rank}, {len(self.records)} calls, "
-                f"{human(self.total('payload_bytes'))} payload)")
+                f"{human(self.sum('payload_bytes'))} payload)")
 
 
 def traffic(modules: dict[str, torch.nn.Module] | torch.nn.Module | None = None
@@ -297,7 +302,8 @@ def traffic(modules: dict[str, torch.nn.Module] | torch.nn.Module | None = None
     return TrafficLedger(modules)
 
 
-def total(records, field: str = "wire_bytes", **where) -> float:
+def sum_records(records, field: str = "wire_bytes", **where) -> float:
+    """`TrafficLedger.sum` over any records."""
     if field not in FIELDS:
         raise ValueError(f"field must be one of {FIELDS}, not {field!r}")
     return sum(getattr(r, field) or 0 for r in records

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit.ledger.common import Ledger
-from labkit.ledger.traffic import _classify, _tensors
+from labkit.ledger.traffic_ledger import _classify, _tensors
 
 POLL_S = 2e-4  # how often the watcher asks an unfinished work without a future
 

@@ -57,7 +57,7 @@ from labkit.ledger._torch_memtracker import (
     tracker_class,
 )
 from labkit.ledger.common import Ledger, current_phase
-from labkit.ledger.holdings import Holdings, has_dtensor, holdings
+from labkit.ledger.holdings_ledger import Holdings, has_dtensor, holdings
 from labkit.ledger.memory_host import HostMemory
 from labkit.ledger.memory_steps import OptimizerSteps, Step
 
