@@ -11,7 +11,7 @@ when anything runs.
 """
 
 from labkit.runtime import forkserver as _forkserver
-from labkit.ledger.common import Ledger
+from labkit.ledger.common import Ledger, in_backward
 from labkit.ledger.holdings_ledger import Holdings, holdings
 from labkit.ledger.memory_ledger import CATEGORIES, MemoryLedger, Step, memory
 from labkit.ledger.tagging import count_as, on_host
@@ -35,7 +35,7 @@ __all__ = ["CATEGORIES", "Holdings", "MemoryLedger", "Record", "Step",
            "Span", "TimelineLedger", "TrafficLedger", "count_as", "holdings", "memory",
            "on_host", "overlap_fraction", "sum_records", "summarize", "timeline",
            "traffic"]
-__all__ += ["Ledger", "by_group", "union"]
+__all__ += ["Ledger", "by_group", "in_backward", "union"]
 
 # ranks forked from now on start with the ledger imported (DTensor: ~2 s each)
 _forkserver.preload_when_idle(__name__)

@@ -10,6 +10,12 @@ import torch
 _ACTIVE: dict[str, Ledger] = {}  # kind ("memory", "traffic") -> the recording one
 
 
+def in_backward() -> bool:
+    """Autograd runs a graph task on this thread: a backward (a forward now is an
+    activation checkpoint's recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def current_phase(explicit: list[str], in_optimizer: bool, in_forward: bool) -> str:
     """A label set with `ledger.phase(...)` wins; then the optimizer step, the
     backward pass (autograd is running a graph task), a module's forward, "other"."""
@@ -17,7 +23,7 @@ def current_phase(explicit: list[str], in_optimizer: bool, in_forward: bool) -> 
         return explicit[-1]
     if in_optimizer:
         return "optimizer"
-    if torch._C._current_graph_task_id() != -1:
+    if in_backward():
         return "backward"
     return "forward" if in_forward else "other"
 

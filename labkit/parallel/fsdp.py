@@ -67,9 +67,9 @@ from torch.utils._pytree import tree_leaves
 
 from labkit.parallel import fsdp_hooks as H
 from labkit.parallel import guards
-from labkit.ledger import Span
+from labkit.ledger import Span, in_backward
 from labkit.parallel.fsdp_accumulation import GradientAccumulation
-from labkit.parallel.fsdp_recompute import RecomputeAware, in_backward
+from labkit.parallel.fsdp_recompute import RecomputeAware
 
 
 def has_own_parameters(m: torch.nn.Module) -> bool:

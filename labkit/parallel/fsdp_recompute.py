@@ -23,12 +23,8 @@ import time
 import torch
 from torch.utils._pytree import tree_leaves
 
+from labkit.ledger import in_backward
 from labkit.parallel import fsdp_hooks as H
-
-
-def in_backward() -> bool:
-    """A backward runs on this thread: a forward now is a recompute."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class RecomputeAware:
