@@ -10,8 +10,7 @@ import linecache
 import re
 
 from labkit.checks.watch import AnswerRaised
-from labkit.runtime import CollectiveTimeout, RankError
-from labkit.runtime import innermost_users, line_of
+from labkit.runtime import CollectiveTimeout, RankError, innermost_users, line_of
 
 # ------------------------------------------------------------ where it happened
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import reprlib
 from pathlib import Path
 
-from labkit.runtime import RankResults
 from labkit.runtime import (
+    RankResults,
     ResultsError,
     load_results,
     merge_records,

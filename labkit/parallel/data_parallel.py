@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-from labkit.ledger import count_as
+from labkit.ledger import Span, count_as
 from labkit.parallel import guards
 from labkit.parallel.data_parallel_buckets import (
     _Bucket,
@@ -56,7 +56,6 @@ from labkit.parallel.data_parallel_buckets import (
     pack,
     unpack,
 )
-from labkit.ledger import Span
 
 
 class DataParallel(torch.nn.Module):

@@ -32,8 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from labkit.ledger import count_as
-from labkit.ledger import Span
+from labkit.ledger import Span, count_as
 from labkit.parallel.reduce_scatter import send_chunks, sum_chunks
 
 

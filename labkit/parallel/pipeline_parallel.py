@@ -34,8 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit.ledger import count_as
-from labkit.ledger import Span, union
+from labkit.ledger import Span, count_as, union
 from labkit.parallel.pipeline_schedules import stage_order
 
 RUNTIME_SCHEDULES = ("gpipe", "1f1b")

@@ -13,6 +13,7 @@ import ipywidgets as W
 from matplotlib.figure import Figure
 
 from labkit.theory import (
+    MODELS,
     PUBLISHED_RUNS,
     WASTEFUL_MFU,
     ClusterSpec,
@@ -22,7 +23,6 @@ from labkit.theory import (
     gemm_time,
     scale,
 )
-from labkit.theory import MODELS
 from labkit.units import percent, seconds, si_bytes
 from labkit.viz.style import _axes
 from labkit.viz.widgets import _show
