@@ -18,7 +18,7 @@ def test_right_placement_and_bytes(capsys):
 
 def test_bytes_held_must_match_to_the_byte():
     # 1% would forgive the 4-byte step counter; the memory ledger counts it
-    with pytest.raises(ExerciseError, match=r"predicted 200 bytes of optimizer state "
+    with pytest.raises(ExerciseError, match=r"predicted 200 bytes of Optstate "
                        r"\(O\); the ledgers measured 204 \(-4 bytes: .*step counter"
                        r".*must match to the byte"):
         check_placement("ZeRO-1", Z1, dict(P=400, O=200, G=400, sent=600), Z1,
@@ -47,7 +47,7 @@ def test_not_a_placement():
 
 
 def test_names_the_wrong_state():
-    with pytest.raises(ExerciseError, match=r"G \(gradients\) is Replicated in this "
+    with pytest.raises(ExerciseError, match=r"G \(Gradient\) is Replicated in this "
                        r"strategy, not Sharded"):
         check_placement("ZeRO-1", PLACEMENTS["ZeRO-2"], None, Z1, MEASURED)
 
@@ -64,7 +64,7 @@ def test_names_the_wrong_collective():
 
 
 def test_names_the_wrong_number():
-    with pytest.raises(ExerciseError, match=r"predicted 800 bytes of optimizer state "
+    with pytest.raises(ExerciseError, match=r"predicted 800 bytes of Optstate "
                        r"\(O\); the ledgers measured 204"):
         check_placement("ZeRO-1", Z1, dict(P=400, O=800, G=400, sent=600), Z1,
                         MEASURED)
@@ -120,11 +120,11 @@ def test_design_over_the_budget_fails():
 
 def test_design_wrong_prediction_fails():
     from labkit.checks.placement import check_design
-    with pytest.raises(ExerciseError, match=r"predicted 70 bytes of activations "
+    with pytest.raises(ExerciseError, match=r"predicted 70 bytes of Activation "
                        r"\(A\); the ledgers measured 40 .*to the byte"):
         check_design("budget", answer(Z2_CKPT, A=7 * UNIT), BUDGET, fake_run)
-    with pytest.raises(ExerciseError, match=r"predicted 2,000 bytes of optimizer "
-                       r"state \(O\); the ledgers measured 2,004 \(-4 bytes"):
+    with pytest.raises(ExerciseError, match=r"predicted 2,000 bytes of Optstate "
+                       r"\(O\); the ledgers measured 2,004 \(-4 bytes"):
         check_design("budget", answer(Z2_CKPT, O=2 * PSI), BUDGET, fake_run)
 
 
@@ -137,7 +137,7 @@ def test_design_that_trains_wrong_or_cannot_run_fails():
         check_design("budget", answer(no_gather), BUDGET, fake_run)
     with pytest.raises(ExerciseError, match="P Replicated only"):
         check_design("budget", answer(PLACEMENTS["ZeRO-3"]), BUDGET, fake_run)
-    with pytest.raises(ExerciseError, match=r"A \(activations\) must be Replicated"):
+    with pytest.raises(ExerciseError, match=r"A \(Activation\) must be Replicated"):
         check_design("budget", answer(Z2_CKPT), BUDGET, fake_run,
                      fixed={"A": "Replicated"})
     with pytest.raises(ExerciseError, match="predict the bytes as a dict with keys "

@@ -62,7 +62,7 @@ def test_current_bytes_after_a_step_are_exact(name, precision):
     assert m.current["Optstate"] == optstate
     assert m.current["Temp"] == 0 and m.current["Activation"] == 0
     h = L.holdings(model, opt)
-    assert (h.parameters, h.gradients, h.optimizer_state) == (
+    assert (h.parameter, h.gradient, h.optstate) == (
         m.current["Parameter"], m.current["Gradient"], m.current["Optstate"])
 
 

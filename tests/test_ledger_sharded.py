@@ -110,7 +110,7 @@ def test_holdings_agrees_with_the_ledger(runs, shape):
     for r in runs[shape]:
         assert r["before"] == labkit.ledger.Holdings(r["padded"], 0, 0, 0, True)
         cur, h = r["one"].current, r["after"]
-        assert (h.parameters, h.gradients, h.optimizer_state) == (
+        assert (h.parameter, h.gradient, h.optstate) == (
             cur["Parameter"], cur["Gradient"], cur["Optstate"])
 
 

@@ -140,7 +140,7 @@ def _train(rank, case):
             w(input_ids=ids, labels=labels).backward()  # keyword arguments
             sync()
             if step == STEPS - 1:
-                out["grads held"] = ledger.holdings(w, o).gradients
+                out["grads held"] = ledger.holdings(w, o).gradient
                 out["cross grads"] = [p.grad is not None for p in cross]
             o.step()
         if mem is not None:
@@ -170,7 +170,7 @@ def _holding(rank, case):
         warnings.simplefilter("always")
         f = FullyShardedDataParallel(model, wrap=_is_block if case["wrap"] ==
                                      "blocks" else None, root=case["root"])
-    return {"held": ledger.holdings(f).parameters, "units": [u.name for u in
+    return {"held": ledger.holdings(f).parameter, "units": [u.name for u in
                                                              f._units],
             "warnings": [str(w.message) for w in said]}
 

@@ -153,8 +153,8 @@ def test_the_ledger_counts_optimizer_state_in_host_memory(dtype, made):
     # travels back from a rank
     assert pickle.loads(pickle.dumps(m)).host == m.host, "host bytes lost in pickle"
     h = L.holdings(model, opt)
-    assert (h.optimizer_state, h.host) == (0, sum(m.host.values())), (
-        f"holdings: {h.optimizer_state} B of state on the device, {h.host} B on "
+    assert (h.optstate, h.host) == (0, sum(m.host.values())), (
+        f"holdings: {h.optstate} B of state on the device, {h.host} B on "
         f"the host; 0 and the ledger's {sum(m.host.values())} expected")
     # theory.placement agrees on the device side: O Offloaded keeps nothing there
     kept = PLACEMENTS["ZeRO-Offload"].cost(psi, 1).persistent["O"]

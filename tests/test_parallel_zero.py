@@ -589,7 +589,7 @@ def test_optimizer_state_per_rank_is_one_nth(measured):
             want = 8 * real[rank] + 4
             held = r["memory"].current["Optstate"]
             assert held == want, f"{mode}, rank {rank}: {held:,} B, {want:,} expected"
-            held = r["holdings"].optimizer_state
+            held = r["holdings"].optstate
             assert held == want, (f"{mode}, rank {rank}: holdings {held:,} B, "
                                   f"{want:,} expected")
         # together, the ranks hold one copy: the unsharded m and v, split in 4

@@ -166,5 +166,5 @@ def test_interleaving_holds_more_activations():
     two = estimate(M[run.model], dataclasses.replace(run.layout, interleave=2),
                    run.cluster, run.global_batch_tokens, run.seq)
     # p = 12, m = 96: 12 + 11/2 = 17.5 where 1F1B holds 12
-    assert two.memory["activations"] == pytest.approx(
-        one.memory["activations"] * 17.5 / 12)
+    assert two.memory["Activation"] == pytest.approx(
+        one.memory["Activation"] * 17.5 / 12)

@@ -69,11 +69,11 @@ def test_llama3_weights_per_gpu():
     # 405.9e9 bf16 weights = 812 GB over TP 8 x PP 16 = 128 ways: 6.34 GB per GPU
     est = PUBLISHED_RUNS["llama3-405b"].estimate()
     psi = theory.param_count("llama3-405b")
-    assert est.memory["params"] == pytest.approx(2 * psi / 128)
-    assert est.memory["params"] / 1e9 == pytest.approx(6.34, abs=0.01)
+    assert est.memory["Parameter"] == pytest.approx(2 * psi / 128)
+    assert est.memory["Parameter"] / 1e9 == pytest.approx(6.34, abs=0.01)
     # ZeRO-2 over DP 128: gradients and the 12-byte optimizer state are sharded
-    assert est.memory["grads"] == pytest.approx(2 * psi / 128 / 128)
-    assert est.memory["optimizer"] == pytest.approx(12 * psi / 128 / 128)
+    assert est.memory["Gradient"] == pytest.approx(2 * psi / 128 / 128)
+    assert est.memory["Optstate"] == pytest.approx(12 * psi / 128 / 128)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -83,7 +83,7 @@ def test_pure_data_parallel_is_zero_paper(stage):
     est = estimate(M["llama3-8b"], Layout(dp=64, zero=stage, microbatches=1), cl,
                    64 * 8192, 8192)
     psi = theory.param_count("llama3-8b")
-    model_state = sum(v for k, v in est.memory.items() if k != "activations")
+    model_state = sum(v for k, v in est.memory.items() if k != "Activation")
     assert model_state == pytest.approx(theory.zero_memory(psi, 64, stage))
     assert est.traffic["dp"] == pytest.approx(
         sum(theory.zero_traffic(psi, 64, stage).values()))
@@ -121,8 +121,8 @@ def test_full_recompute_costs_a_forward():
     assert full.time["compute"] == pytest.approx(4 / 3 * sel.time["compute"])
     assert full.traffic["tp"] == pytest.approx(1.5 * sel.traffic["tp"])
     # only each layer's input is kept: 2sbh/t per layer instead of 32sbh/t
-    assert full.memory["activations"] == pytest.approx(
-        sel.memory["activations"] * 2 / 32)
+    assert full.memory["Activation"] == pytest.approx(
+        sel.memory["Activation"] * 2 / 32)
 
 
 def test_dualpipe_hides_ep_and_keeps_two_copies():
@@ -146,7 +146,7 @@ def test_dualpipe_hides_ep_and_keeps_two_copies():
     # (dispatch and combine, forward and backward; 4096 tokens x 7168 x bf16)
     assert plain.traffic["ep"] == pytest.approx(
         2 * 2 * 63 / 64 * 4096 * 4 * 7168 * 2 * 4 * 120)
-    assert dual.memory["params"] == pytest.approx(2 * plain.memory["params"])
+    assert dual.memory["Parameter"] == pytest.approx(2 * plain.memory["Parameter"])
     assert dual.step_time < plain.step_time
 
 
@@ -256,9 +256,9 @@ def test_gpt3_2021_has_no_sequence_parallelism():
     with_sp = estimate(c, dataclasses.replace(run.layout, sequence_parallel=True),
                        run.cluster, run.global_batch_tokens, run.seq)
     held = 12 * 8  # min(p, m) micro-batches x 96 / 12 layers on a stage
-    assert est.memory["activations"] == pytest.approx(2 * 2048 * c.hidden * held)
-    assert with_sp.memory["activations"] == pytest.approx(
-        est.memory["activations"] / 8)
+    assert est.memory["Activation"] == pytest.approx(2 * 2048 * c.hidden * held)
+    assert with_sp.memory["Activation"] == pytest.approx(
+        est.memory["Activation"] / 8)
     assert with_sp.traffic == est.traffic and with_sp.step_time == est.step_time
     assert any("no sequence parallelism" in r for r in est.reasons)
     ranked = run.choose()

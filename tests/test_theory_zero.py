@@ -9,7 +9,8 @@ from labkit import theory
 def test_bytes_per_param_zero_paper_and_megatron_table():
     # ZeRO paper sec. 3.1: mixed-precision Adam, 2 + 2 + 12 = 16 bytes per parameter
     mixed = theory.bytes_per_param("adam", "mixed")
-    assert (mixed.params, mixed.grads, mixed.optimizer, mixed.total) == (2, 2, 12, 16)
+    assert (mixed.parameter, mixed.gradient, mixed.optstate,
+            mixed.total) == (2, 2, 12, 16)
     # Megatron-LM README, distributed optimizer table (non-distributed column):
     assert theory.bytes_per_param("adam", "mixed", fp32_grad_accum=True).total == 20
     assert theory.bytes_per_param("adam", "fp32").total == 16
@@ -27,7 +28,7 @@ def test_zero_paper_7_5b_on_64_gpus():
     assert [round(g, 1) for g in got] == [120.0, 31.4, 16.6, 1.9]
     # and what each bar is made of: stage 2 keeps 2Ψ of parameters, the rest / N
     b = theory.zero_breakdown(7.5e9, 64, 2)
-    assert (b.params, b.grads, b.optimizer) == (15e9, 15e9 / 64, 90e9 / 64)
+    assert (b.parameter, b.gradient, b.optstate) == (15e9, 15e9 / 64, 90e9 / 64)
 
 
 def test_zero_matches_megatron_distributed_optimizer_column():

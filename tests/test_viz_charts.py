@@ -115,8 +115,8 @@ def test_zero_bars_and_placement_bars_draw_the_numbers():
     bd = {f"stage {s}": theory.zero_breakdown(7.5e9, 64, s) for s in range(4)}
     ax = viz.zero_bars(bd, highlight="stage 3", capacity=80e9).axes[0]
     bars = _bars(ax)
-    assert bars["params"] == pytest.approx([15, 15, 15, 15 / 64])
-    assert bars["optimizer"][1] == pytest.approx(90 / 64)
+    assert bars["Parameter"] == pytest.approx([15, 15, 15, 15 / 64])
+    assert bars["Optstate"][1] == pytest.approx(90 / 64)
     assert [t.get_text() for t in ax.texts] == ["120.0", "31.4", "16.6", "1.9"]
     cost = theory.PLACEMENTS["ZeRO-3"].cost(1e9, 8, activations=4e9)
     ax = viz.placement_bars(cost).axes[0]
@@ -147,8 +147,8 @@ def test_placement_bars_write_each_total_inside_the_axes(kw):
                                          / 1e9)
     # a legend entry for each colour drawn: no activations when there are none
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert legend == ["parameters", "optimizer", "gradients"] + (
-        ["activations"] if kw.get("activations") else [])
+    assert legend == ["P: Parameter", "O: Optstate", "G: Gradient"] + (
+        ["A: Activation"] if kw.get("activations") else [])
     box = ax.get_window_extent(renderer)
     for t in ax.texts:
         text = t.get_window_extent(renderer)

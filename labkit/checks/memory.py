@@ -7,6 +7,7 @@ import math
 from fractions import Fraction
 
 from labkit import ledger
+from labkit.conventions import MODEL_STATES  # ZeRO's model states (sec. 3.1)
 from labkit.checks.common import (
     NOT_WRITTEN,
     NOT_YET,
@@ -16,8 +17,6 @@ from labkit.checks.common import (
     run_answer,
 )
 
-# ZeRO's model states (Rajbhandari et al. 2020, sec. 3.1), in the ledger's names
-MODEL_STATES = ("Parameter", "Gradient", "Optstate")
 _HINTS = {
     "Parameter": "fp32 parameters take 4 bytes each, whatever the optimizer",
     "Gradient": "backward leaves one fp32 gradient per parameter: 4 bytes",

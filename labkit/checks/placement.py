@@ -13,10 +13,9 @@ from labkit.checks.common import (
     call_answer,
     is_number,
 )
+from labkit.conventions import STATE_LETTERS
 from labkit.theory import Placement
 
-STATES = {"P": "parameters", "O": "optimizer state", "G": "gradients",
-          "A": "activations"}
 LABELS = {"sent": "bytes sent per step", "pcie": "bytes over PCIe per step"}
 DESIGN_KEYS = ("P", "O", "G", "A", "sent", "pcie")
 
@@ -25,7 +24,7 @@ def _compare_placement(what: str, yours, want: Placement) -> None:
     if not isinstance(yours, Placement):
         raise ExerciseError(f"{what}: expected a labkit.theory.Placement, got "
                             f"{yours!r}")
-    for s, name in STATES.items():
+    for s, name in STATE_LETTERS.items():
         if getattr(yours, s) != getattr(want, s):
             raise ExerciseError(
                 f"{what}: {s} ({name}) is {getattr(want, s)} in this strategy, "
@@ -47,7 +46,7 @@ def _compare_bytes(what: str, predicted: dict, measured: dict, rel: float,
             raise ExerciseError(f"{what}: {key} must be a number, got {guess!r}")
         tol = 0 if key in exact else rel * max(abs(got), 1)
         if abs(guess - got) > tol:
-            label = (f"bytes of {STATES[key]}" if key in STATES
+            label = (f"bytes of {STATE_LETTERS[key]}" if key in STATE_LETTERS
                      else LABELS.get(key, "bytes sent per step"))
             off = guess - got
             why = (f"{off:+,.0f} bytes: count every small tensor too (a step "
@@ -129,8 +128,8 @@ def check_design(what: str, yours, budget: dict, run, *, fixed: dict | None = No
         raise ExerciseError(f"{what}: expected a labkit.theory.Placement, got {pl!r}")
     for s, mode in (fixed or {}).items():
         if getattr(pl, s) != mode:
-            raise ExerciseError(f"{what}: {s} ({STATES[s]}) must be {mode} here, "
-                                f"not {getattr(pl, s)}")
+            raise ExerciseError(f"{what}: {s} ({STATE_LETTERS[s]}) must be {mode} "
+                                f"here, not {getattr(pl, s)}")
     verdict = pl.check()
     if not verdict.ok:
         raise ExerciseError(f"{what}: this placement does not train what one "

@@ -145,7 +145,7 @@ def _time_steps(rank, world_size, name: str, steps: int,
         peak = m.steps[-1].peak_total
     # ZeroRedundancyOptimizer keeps its shard's state in the optimizer it wraps
     held = ledger.holdings(module, getattr(opt, "optim", opt))
-    return seconds, held.optimizer_state, peak
+    return seconds, held.optstate, peak
 
 
 def bench_strategies(world_size: int = 4, rounds: int = 5, steps: int = 10) -> int:

@@ -10,10 +10,11 @@ counts what a model and optimizer hold (both count a DTensor by its local shard)
 when anything runs.
 """
 
+from labkit.conventions import MODEL_STATES
 from labkit.runtime import forkserver as _forkserver
 from labkit.ledger.common import Ledger, in_backward
 from labkit.ledger.holdings_ledger import Holdings, holdings
-from labkit.ledger.memory_ledger import CATEGORIES, MemoryLedger, Step, memory
+from labkit.ledger.memory_ledger import MEMORY_CATEGORIES, MemoryLedger, Step, memory
 from labkit.ledger.tagging import count_as, on_host
 from labkit.ledger.timeline_ledger import (
     Span,
@@ -31,10 +32,10 @@ from labkit.ledger.traffic_ledger import (
     traffic,
 )
 
-__all__ = ["CATEGORIES", "Holdings", "MemoryLedger", "Record", "Step",
-           "Span", "TimelineLedger", "TrafficLedger", "count_as", "holdings", "memory",
-           "on_host", "overlap_fraction", "sum_records", "summarize", "timeline",
-           "traffic"]
+__all__ = ["MEMORY_CATEGORIES", "MODEL_STATES", "Holdings", "MemoryLedger", "Record",
+           "Step", "Span", "TimelineLedger", "TrafficLedger", "count_as", "holdings",
+           "memory", "on_host", "overlap_fraction", "sum_records", "summarize",
+           "timeline", "traffic"]
 __all__ += ["Ledger", "by_group", "in_backward", "union"]
 
 # ranks forked from now on start with the ledger imported (DTensor: ~2 s each)

@@ -19,13 +19,12 @@ import warnings
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["CATEGORIES", "TESTED_TORCH", "category_of", "check_torch_version",
+from labkit.conventions import MEMORY_CATEGORIES  # MemTracker's _MemRefType values
+
+__all__ = ["MEMORY_CATEGORIES", "TESTED_TORCH", "category_of", "check_torch_version",
            "is_traceable_wrapper_subclass", "nbytes", "tracker_class"]
 
 TESTED_TORCH = "2.13"
-# MemTracker's categories (its _MemRefType values), in the ledger's order
-CATEGORIES = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp",
-              "Other")
 
 _TRACKER = None
 
@@ -68,10 +67,10 @@ def tracker_class():
             f"{torch.__version__} has moved it ({e}). Install the pinned torch "
             "(requirements.lock)") from e
     found = {str(r.value) for r in _MemRefType}
-    if found != set(CATEGORIES):
+    if found != set(MEMORY_CATEGORIES):
         raise RuntimeError(
             f"labkit's memory ledger counts MemTracker's categories as in torch "
-            f"{TESTED_TORCH}, {CATEGORIES}; torch {torch.__version__} has "
+            f"{TESTED_TORCH}, {MEMORY_CATEGORIES}; torch {torch.__version__} has "
             f"{tuple(sorted(found))}. Install the pinned torch (requirements.lock)")
 
     class _Tracker(MemTracker):

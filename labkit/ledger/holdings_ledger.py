@@ -18,18 +18,19 @@ from labkit.ledger._torch_memtracker import is_traceable_wrapper_subclass
 
 @dataclass(frozen=True)
 class Holdings:
-    """Bytes an object graph holds right now (each storage counted once)."""
+    """Bytes an object graph holds right now (each storage counted once), one
+    field per memory category (labkit.conventions' names, lower case)."""
 
-    parameters: int = 0
-    buffers: int = 0
-    gradients: int = 0
-    optimizer_state: int = 0  # m, v, momentum ... and master weights it owns
+    parameter: int = 0
+    buffer: int = 0
+    gradient: int = 0
+    optstate: int = 0  # m, v, momentum ... and master weights it owns
     local_shards: bool = False  # DTensors were met: each counted by its local shard
     host: int = 0  # held in host memory (offloaded), not in `total`
 
     @property
     def total(self) -> int:
-        return self.parameters + self.buffers + self.gradients + self.optimizer_state
+        return self.parameter + self.buffer + self.gradient + self.optstate
 
 
 def is_dtensor(t) -> bool:

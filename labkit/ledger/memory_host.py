@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from labkit.ledger._torch_memtracker import CATEGORIES, category_of, nbytes
+from labkit.ledger._torch_memtracker import MEMORY_CATEGORIES, category_of, nbytes
 
 
 class HostMemory:
@@ -17,8 +17,8 @@ class HostMemory:
 
     def _start_host(self) -> None:
         # host memory (offloaded state): bytes by category, apart from the device's
-        self.host: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
-        self.host_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.host: dict[str, int] = dict.fromkeys(MEMORY_CATEGORIES, 0)
+        self.host_peak: dict[str, int] = dict.fromkeys(MEMORY_CATEGORIES, 0)
         self._host: dict = {}  # winfo -> its host category
         self._host_ctx: list = []  # open on_host() blocks: category or None
         self._step_host_new: set = set()

@@ -52,7 +52,7 @@ from torch.optim.optimizer import (
 )
 
 from labkit.ledger._torch_memtracker import (
-    CATEGORIES,
+    MEMORY_CATEGORIES,
     check_torch_version,
     tracker_class,
 )
@@ -61,7 +61,8 @@ from labkit.ledger.holdings_ledger import Holdings, has_dtensor, holdings
 from labkit.ledger.memory_host import HostMemory
 from labkit.ledger.memory_steps import OptimizerSteps, Step
 
-__all__ = ["CATEGORIES", "Holdings", "MemoryLedger", "Step", "holdings", "memory"]
+__all__ = ["MEMORY_CATEGORIES", "Holdings", "MemoryLedger", "Step", "holdings",
+           "memory"]
 
 
 class MemoryLedger(HostMemory, OptimizerSteps, Ledger):
@@ -76,9 +77,9 @@ class MemoryLedger(HostMemory, OptimizerSteps, Ledger):
     def __init__(self, *tracked):
         super().__init__()
         self._tracked = [t for t in tracked if t is not None]
-        self.current: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
-        self.peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
-        self.at_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.current: dict[str, int] = dict.fromkeys(MEMORY_CATEGORIES, 0)
+        self.peak: dict[str, int] = dict.fromkeys(MEMORY_CATEGORIES, 0)
+        self.at_peak: dict[str, int] = dict.fromkeys(MEMORY_CATEGORIES, 0)
         self.phase_peaks: dict[str, dict[str, int]] = {}
         self.local_shards = False  # DTensors were met: counted by local shard
         self.cuda_peak: int | None = None  # the CUDA allocator's own peak, on GPUs

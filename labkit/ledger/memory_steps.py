@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from labkit.ledger._torch_memtracker import CATEGORIES
+from labkit.ledger._torch_memtracker import MEMORY_CATEGORIES
 from labkit.ledger.holdings_ledger import storages
 
 
@@ -39,8 +39,8 @@ class OptimizerSteps:
         self._step_new: set = set()
         self._step_gone: set = set()
         self._step_start: dict[str, int] = {}
-        self._step_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
-        self._step_at_peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self._step_peak: dict[str, int] = dict.fromkeys(MEMORY_CATEGORIES, 0)
+        self._step_at_peak: dict[str, int] = dict.fromkeys(MEMORY_CATEGORIES, 0)
 
     def _change_in_step(self, winfo, deltas: dict, new: bool, gone: bool) -> None:
         """Inside optimizer.step(): new storages are Temp until they survive it."""
@@ -78,7 +78,7 @@ class OptimizerSteps:
                           for k, v in deltas.items()}
             self._apply(snap, deltas)
             self._observe(snap, phase)
-        self.current = {k: snap.get(k, 0) for k in CATEGORIES}
+        self.current = {k: snap.get(k, 0) for k in MEMORY_CATEGORIES}
         self._step_log, self._step_new, self._step_gone = [], set(), set()
         # a survivor that is some parameter's .grad (a kept fp32 master grad) is a
         # Gradient, not optimizer state

@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-from labkit.ledger.memory_ledger import CATEGORIES
+from labkit.ledger.memory_ledger import MEMORY_CATEGORIES
 
 
 def _recording_ledger():
@@ -24,8 +24,9 @@ def count_as(t: torch.Tensor, category: str, *, host: bool = False) -> None:
     """Tell the memory ledger recording in this process (if any) that `t` is held
     as `category` (e.g. a gradient shard kept outside any `.grad`), in host memory
     with host=True; else nothing."""
-    if category not in CATEGORIES:
-        raise ValueError(f"category must be one of {CATEGORIES}, not {category!r}")
+    if category not in MEMORY_CATEGORIES:
+        raise ValueError(f"category must be one of {MEMORY_CATEGORIES}, "
+                         f"not {category!r}")
     led = _recording_ledger()
     if led is not None:
         if host:
@@ -39,8 +40,9 @@ def on_host(category: str | None = None):
     """Storages created inside this block are host memory (the ledger's `host`), as
     `category`; without one: Temp inside an optimizer step (Optstate if it survives
     the step), else Other. A no-op when no memory ledger records."""
-    if category is not None and category not in CATEGORIES:
-        raise ValueError(f"category must be one of {CATEGORIES}, not {category!r}")
+    if category is not None and category not in MEMORY_CATEGORIES:
+        raise ValueError(f"category must be one of {MEMORY_CATEGORIES}, "
+                         f"not {category!r}")
     led = _recording_ledger()
     if led is None:
         yield

@@ -20,14 +20,16 @@ _OPT_STATE = {"adam": 8, "adamw": 8, "sgd-momentum": 4, "sgd": 0}  # fp32 bytes
 
 @dataclass(frozen=True)
 class BytesPerParam:
-    params: int
-    grads: int
-    optimizer: int  # K: master weights + the optimizer's own state
+    """Bytes per parameter by memory category (labkit.conventions' names)."""
+
+    parameter: int
+    gradient: int
+    optstate: int  # K: master weights + the optimizer's own state
     grad_accum: int = 0  # an fp32 copy of the gradients, where one is kept
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.grad_accum
+        return self.parameter + self.gradient + self.optstate + self.grad_accum
 
 
 def bytes_per_param(optimizer: str = "adam", precision: str = "mixed",
@@ -57,15 +59,15 @@ def bytes_per_param(optimizer: str = "adam", precision: str = "mixed",
 
 @dataclass(frozen=True)
 class ZeroMemory:
-    """Bytes of model state per device."""
+    """Bytes of model state per device, by memory category."""
 
-    params: float
-    grads: float
-    optimizer: float
+    parameter: float
+    gradient: float
+    optstate: float
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer
+        return self.parameter + self.gradient + self.optstate
 
 
 

@@ -6,28 +6,25 @@ from __future__ import annotations
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from labkit.conventions import MODEL_STATES, STATE_LETTERS
 from labkit.viz.style import CATEGORY_COLORS, _axes
-
-ZERO_COLORS = {"params": CATEGORY_COLORS["Parameter"],
-               "grads": CATEGORY_COLORS["Gradient"],
-               "optimizer": CATEGORY_COLORS["Optstate"]}
 
 
 def zero_bars(breakdowns, *, ax=None, unit: float = 1e9, unit_name: str = "GB",
               highlight: str | None = None, capacity: float | None = None,
               title: str = "Model states per device") -> Figure:
-    """Stacked bars (parameters, gradients, optimizer state) per label, as in the
-    ZeRO paper's figure 1. breakdowns: label -> labkit.theory.ZeroMemory (or any
-    object with params, grads, optimizer). capacity: a device's memory, drawn as a
-    line where it is within reach of the bars; far above them the legend says so
-    instead, so that the y-axis always scales to the bars themselves."""
+    """Stacked bars (Parameter, Gradient, Optstate) per label, as in the ZeRO
+    paper's figure 1. breakdowns: label -> labkit.theory.ZeroMemory (or any object
+    with parameter, gradient and optstate fields). capacity: a device's memory,
+    drawn as a line where it is within reach of the bars; far above them the
+    legend says so instead, so that the y-axis always scales to the bars."""
     labels = list(breakdowns)
     fig, ax = _axes(ax, (1.5 + 1.3 * len(labels), 3.8))
     bottom = [0.0] * len(labels)
-    for part, color in ZERO_COLORS.items():
-        heights = [getattr(breakdowns[k], part) / unit for k in labels]
-        ax.bar(range(len(labels)), heights, bottom=bottom, color=color, label=part,
-               width=0.6)
+    for part in MODEL_STATES:
+        heights = [getattr(breakdowns[k], part.lower()) / unit for k in labels]
+        ax.bar(range(len(labels)), heights, bottom=bottom, label=part, width=0.6,
+               color=CATEGORY_COLORS[part])
         bottom = [b + h for b, h in zip(bottom, heights)]
     for i, (label, total) in enumerate(zip(labels, bottom)):
         ax.text(i, total, f"{total:,.1f}" if total >= 1 else f"{total:.2g}",
@@ -96,17 +93,13 @@ def placement_bars(cost, *, ax=None, unit: float = 1e9, unit_name: str = "GB",
     """Persistent and peak bytes per training state (labkit.theory.PlacementCost);
     a state of no bytes in either bar is left out of the legend."""
     fig, ax = _axes(ax, (5.5, 3.6))
-    colors = {"P": CATEGORY_COLORS["Parameter"], "O": CATEGORY_COLORS["Optstate"],
-              "G": CATEGORY_COLORS["Gradient"], "A": CATEGORY_COLORS["Activation"]}
-    names = {"P": "parameters", "O": "optimizer", "G": "gradients",
-             "A": "activations"}
     totals = [0.0, 0.0]  # kept, at the peak
     for state in "POGA":  # a state with no bytes in either bar: no colour, no name
         h = [cost.persistent[state] / unit, cost.peak[state] / unit]
         if not any(h):
             continue
-        ax.bar([0, 1], h, bottom=totals, color=colors[state], width=0.55,
-               label=names[state])
+        ax.bar([0, 1], h, bottom=totals, color=CATEGORY_COLORS[STATE_LETTERS[state]],
+               width=0.55, label=f"{state}: {STATE_LETTERS[state]}")
         totals = [b + v for b, v in zip(totals, h)]
     for x, total in enumerate(totals):
         ax.text(x, total, f"{total:,.2f}", ha="center", va="bottom", fontsize=9)

@@ -13,7 +13,7 @@ class Estimate:
     step, and seconds per step (compute, each exposed communication, bubble)."""
 
     layout: Layout
-    memory: dict[str, float]  # params, grads, optimizer, activations
+    memory: dict[str, float]  # by category: Parameter, Gradient, Optstate, Activation
     traffic: dict[str, float]  # tp, cp, pp, dp, ep
     time: dict[str, float]  # compute, tp, cp, pp, ep, dp, bubble (exposed)
     gpu_memory: float

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from labkit.conventions import ACTIVATION, GRADIENT, OPTSTATE, PARAMETER
 from labkit.theory.activations import activation_terms
 from labkit.theory.layout.counts import params_per_device
 from labkit.theory.layout.layout import Layout, StepShape
@@ -33,7 +34,7 @@ def activations_held(layout: Layout) -> float:
 
 def memory(model: ModelConfig, layout: Layout, shape: StepShape,
            dtype_bytes: int = 2) -> dict[str, float]:
-    """Bytes per device: params, grads, optimizer, activations.
+    """Bytes per device by memory category: Parameter, Gradient, Optstate, Activation.
 
     Mixed-precision Adam (2 + 2 + 12 bytes per parameter, theory.zero),
     parameters split over TP x PP (experts also over EP), ZeRO over DP x CP (the
@@ -57,7 +58,7 @@ def memory(model: ModelConfig, layout: Layout, shape: StepShape,
     per_layer = sum(size for term, size in terms.items()
                     if model.norm == "layernorm" or "dropout mask" not in term)
     copies = 2 if layout.dualpipe else 1
-    return {"params": (dense_states.params + expert_states.params) * copies,
-            "grads": dense_states.grads + expert_states.grads,
-            "optimizer": dense_states.optimizer + expert_states.optimizer,
-            "activations": per_layer * shape.stage_layers * activations_held(layout)}
+    return {PARAMETER: (dense_states.parameter + expert_states.parameter) * copies,
+            GRADIENT: dense_states.gradient + expert_states.gradient,
+            OPTSTATE: dense_states.optstate + expert_states.optstate,
+            ACTIVATION: per_layer * shape.stage_layers * activations_held(layout)}

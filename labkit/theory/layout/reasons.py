@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from labkit.conventions import ACTIVATION
 from labkit.theory.layout.breakdown import Estimate
 from labkit.theory.layout.cluster import ClusterSpec
 from labkit.units import percent, si_bytes
@@ -55,5 +56,5 @@ def reasons(est: Estimate, cluster: ClusterSpec) -> list[str]:
     verdict = "fits in" if est.fits else "does not fit in"
     out.append(f"{si_bytes(est.memory_total)} per GPU {verdict} "
                f"{si_bytes(est.gpu_memory)} (activations "
-               f"{si_bytes(est.memory['activations'])}, recompute {layout.recompute})")
+               f"{si_bytes(est.memory[ACTIVATION])}, recompute {layout.recompute})")
     return out
