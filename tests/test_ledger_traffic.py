@@ -331,3 +331,32 @@ def test_each_call_records_the_global_ranks_of_its_group(cluster):
         assert row["sent"] == wire + (4 * 512 if rank == 0 else 0)
         assert groups[(0, 1, 2, 3)]["payload_bytes"] == 4 * 256
         assert pickle.loads(pickle.dumps(t)).records == t.records
+
+
+def _uneven_all_to_all(rank, world_size):
+    import torch.distributed as dist
+
+    from labkit.ledger import traffic
+
+    # rank r sends (r + j) % n + 1 rows of 64 float32 to rank j: its own chunk is
+    # not 1/n of what it holds, as in an MoE dispatch
+    send = [(rank + j) % world_size + 1 for j in range(world_size)]
+    receive = [(j + rank) % world_size + 1 for j in range(world_size)]
+    x = torch.ones(sum(send), 64)
+    with traffic() as t:
+        dist.all_to_all_single(torch.empty(sum(receive), 64), x, receive, send)
+        # (gloo's list form, dist.all_to_all, takes equal sizes only)
+    return t, send
+
+
+def test_uneven_all_to_all_counts_what_leaves_the_rank(cluster):
+    for rank, (t, send) in enumerate(cluster.run(_uneven_all_to_all)):
+        others = 256 * (sum(send) - send[rank])  # bytes to the other ranks
+        assert [r.op for r in t.records] == ["all_to_all"], t.records
+        for r in t.records:
+            assert r.bus_bytes == others, (
+                f"rank {rank}, {r.op}: {r.bus_bytes:,} bus bytes recorded, "
+                f"{others:,} B sent to other ranks ({send} rows of 256 B)")
+            assert r.wire_bytes >= others, (
+                f"rank {rank}: {r.wire_bytes:,} B written to sockets, less than "
+                f"the {others:,} B of rows it sent")

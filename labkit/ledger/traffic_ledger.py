@@ -42,7 +42,7 @@ class Record:
     dtype: str
     elements: int  # elements in the payload S
     payload_bytes: int  # S, nccl-tests convention (whole array for gather/scatter)
-    bus_bytes: float  # S * bus factor
+    bus_bytes: float  # S * bus factor; an all-to-all: S less its own chunk
     wire_bytes: int | None  # written to sockets during the call; None: unknown
     seconds: float  # until the call finished (complete) or was only issued (not)
     start: float  # time.perf_counter() (CLOCK_MONOTONIC: one clock for all ranks)
@@ -105,6 +105,25 @@ _FUNCTIONAL = {
 }
 _NAMESPACES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL,
                "_c10d_functional_autograd": _FUNCTIONAL}
+
+
+# where an all-to-all's input split sizes are (its rows per peer; empty: even)
+_SPLITS = {"alltoall_base_": 4, "all_to_all_single": 2}
+
+
+def _sent_to_others(name: str, args, payload, nbytes: int, n: int, me: int) -> float:
+    """Bytes an all-to-all sends to the other ranks: the payload less this rank's
+    own chunk. With uneven splits (an MoE dispatch) that chunk is not 1/n of it,
+    so the bus factor's (n-1)/n would be wrong."""
+    if name == "alltoall_" and len(payload) == n:  # one input tensor per peer
+        mine = payload[me]
+        return nbytes - mine.numel() * mine.element_size()
+    at = _SPLITS.get(name)
+    splits = list(args[at]) if at is not None and at < len(args) else []
+    rows = payload[0].shape[0] if payload and payload[0].dim() else 0
+    if len(splits) != n or not rows:
+        return nbytes * BUS_FACTOR["all_to_all"](n)
+    return nbytes - splits[me] * nbytes / rows
 
 
 def _classify(func):
@@ -251,7 +270,10 @@ class TrafficLedger(Ledger, TorchDispatchMode):
         w1 = _wchar() if wire else 0
         self.records.append(Record(
             op=op, group_size=n, dtype=dtype, elements=elements, payload_bytes=nbytes,
-            bus_bytes=nbytes * BUS_FACTOR[op](n),
+            bus_bytes=(_sent_to_others(name, args, payload, nbytes, n,
+                                       members.index(self.rank))
+                       if op == "all_to_all" and self.rank in members
+                       else nbytes * BUS_FACTOR[op](n)),
             wire_bytes=(w1 - w0) if wire else None,
             seconds=t1 - t0, start=t0, complete=not p2p, phase=self._current_phase(),
             module=self._module_stack[-1] if self._module_stack else None,
