@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from labkit.numerics import Oracle
-from labkit.parallel.sequence_parallel import TransformerLayer
+from labkit.parallel.models import TransformerLayer
 from labkit.theory import activation_memory
 
 pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
@@ -409,7 +409,7 @@ def _ring(rank, world_size, n, causal):
 
 def _whole_attention(causal, dtype):
     """One process's attention over the whole sequence: output and gradients."""
-    from labkit.parallel.ring_attention import attention
+    from labkit.parallel.models import attention
 
     q, k, v, dout = (_randn(RING, seed, dtype) for seed in (1, 2, 3, 4))
     full = [t.requires_grad_() for t in (q, k, v)]
@@ -441,8 +441,8 @@ def test_ring_attention_is_exact(cluster, n, causal):
 
 
 def test_ring_schedule_and_merge():
+    from labkit.parallel.models import attention
     from labkit.parallel.ring_attention import (
-        attention,
         block_partial,
         merge_partials,
         ring_schedule,

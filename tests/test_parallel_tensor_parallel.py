@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.numerics import Oracle, rel_err
-from labkit.parallel.tensor_parallel import MLP, SelfAttention
+from labkit.parallel.models import MLP, SelfAttention
 
 pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
 
@@ -425,12 +425,10 @@ def test_sizes_that_do_not_divide_raise_value_error(cluster):
 
 def _copied_dtypes(rank, world_size):
     from labkit.parallel.tensor_parallel import (
-        MLP,
         ColumnParallelLinear,
         ParallelMLP,
         ParallelSelfAttention,
         RowParallelLinear,
-        SelfAttention,
     )
 
     torch.manual_seed(0)

@@ -16,7 +16,8 @@ import torch
 
 import labkit
 from labkit.numerics import Oracle
-from labkit.parallel.three_d import ThreeD, TinyGPT, lm_loss, stage_layers
+from labkit.parallel.models import TinyGPT, lm_loss
+from labkit.parallel.three_d import ThreeD, stage_layers
 from labkit.theory import layer_params, layer_traffic, ring_bytes_per_rank
 
 pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels

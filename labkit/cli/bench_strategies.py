@@ -24,7 +24,7 @@ PAIRS = (("DataParallel", "DDP"), ("ShardedOptimizer", "ZeroRedundancyOptimizer"
          ("FullyShardedDataParallel", "FSDP2"))
 MEASURED = ("FullyShardedDataParallel", "FSDP2")  # peak memory: one ledger step
 WIDTH, LAYERS, BATCH = 1024, 4, 16  # Ψ = 4 × (1024² + 1024) ≈ 4.2 M parameters
-# a GPT (labkit.parallel.three_d.TinyGPT) whose output head is the token embedding
+# a GPT (labkit.parallel.models.TinyGPT) whose output head is the token embedding
 # (tied, as GPT-2's): Ψ ≈ 12·h²·layers + vocab·h + seq·h ≈ 5.2 M parameters
 GPT = {"vocab": 8192, "seq": 64, "hidden": 256, "heads": 4, "layers": 4}
 GPT_BATCH = 8

@@ -29,19 +29,28 @@ from labkit.parallel.checkpointing import (
 from labkit.parallel.data_parallel import DataParallel
 from labkit.parallel.fsdp import FullyShardedDataParallel
 from labkit.parallel.groups import ParallelGroups, grid
+from labkit.parallel.models import (
+    MLP,
+    GPTBlock,
+    SelfAttention,
+    TinyGPT,
+    TransformerLayer,
+    attention,
+    lm_loss,
+)
 from labkit.parallel.offload import HostCopy, OffloadedOptimizer
 from labkit.parallel.pipeline_parallel import PipelineParallel, bubble_of_total_by_rank
 from labkit.parallel.pipeline_schedules import simulate_schedule, stage_order
 from labkit.parallel.precision import MasterWeights
 from labkit.parallel.ring_attention import ring_attention
-from labkit.parallel.sequence_parallel import ParallelTransformerLayer, TransformerLayer
+from labkit.parallel.sequence_parallel import ParallelTransformerLayer
 from labkit.parallel.sharded_checkpoint import (
     checkpoint_bytes,
     load_full_state_dict,
     load_sharded,
     save_sharded,
 )
-from labkit.parallel.three_d import ThreeD, TinyGPT, lm_loss, stage_layers
+from labkit.parallel.three_d import ThreeD, stage_layers
 from labkit.parallel.tensor_parallel import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -56,7 +65,6 @@ from labkit.parallel.recorded_ddp import RecordedDDP
 from labkit.parallel.ring_attention import (
     Partial,
     RingBlock,
-    attention,
     block_partial,
     merge_partials,
     ring_schedule,
@@ -66,8 +74,6 @@ from labkit.parallel.sequence_parallel import (
     forward_activations,
     sync_sequence_parallel_grads,
 )
-from labkit.parallel.tensor_parallel import MLP, SelfAttention
-from labkit.parallel.three_d import GPTBlock
 from labkit.parallel.tensor_parallel_mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,

@@ -37,6 +37,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from labkit.parallel.models import attention  # the oracle: one process, every score
+
+__all__ = ["Partial", "RingBlock", "attention", "block_partial", "merge_partials",
+           "ring_attention", "ring_schedule", "shard_sequence"]
+
 
 class Partial(NamedTuple):
     """Attention of some query rows over some of the keys, not yet normalized.
@@ -68,17 +73,6 @@ def block_partial(q, k, v, scale: float, diagonal: bool = False) -> Partial:
     m = s.amax(dim=-1)
     p = torch.exp(s - m[..., None])
     return Partial(torch.matmul(p, v), m, p.sum(dim=-1))
-
-
-def attention(q, k, v, causal: bool = False, scale: float | None = None):
-    """The oracle: softmax(q k^T * scale [+ causal mask]) v over the whole
-    sequence, (..., s, d) -> (..., s, d); it materializes every s x s score."""
-    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
-        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v)
 
 
 # -- the ring ---------------------------------------------------------------------

@@ -10,7 +10,7 @@ all-gather and a reduce-scatter replace each all-reduce of tensor parallelism, a
 send the same bytes (ring all-reduce is exactly a reduce-scatter then an
 all-gather).
 
-    ref = TransformerLayer(h, a)                        # one process, [s, b, h]
+    ref = TransformerLayer(h, a)                        # models.py: one process
     sp = ParallelTransformerLayer.from_layer(ref, group, sequence_parallel=True)
     y = sp(x_shard)                                     # [s/t, b, h] -> [s/t, b, h]
     y.backward(dy); sync_sequence_parallel_grads(sp, group)   # LayerNorm grads
@@ -25,13 +25,13 @@ of the gathered 2sbh, for one more all-gather per column-parallel layer in
 backward. regather=False uses tensor_parallel.ColumnParallelLinear as it is,
 which keeps the gathered input (and sends exactly tensor parallelism's bytes).
 
-Activation memory (`TransformerLayer`, bf16): the attention is written out
-(scores, softmax, dropout with a 1-byte mask, as Korthikanti et al. count it),
-not fused, so what autograd saves is what their table 2 counts; recompute=
-"selective" checkpoints the attention core (q kᵀ, softmax, dropout, ·V), "full"
-the whole layer from its input. PyTorch's non-reentrant checkpoint re-runs only
-what backward needs: q kᵀ, softmax and dropout, not ·V (whose output backward
-never reads); with dropout on, the whole layer.
+Activation memory (`TransformerLayer`, bf16): the attention is models.py's
+`attention`, written out (scores, softmax, dropout with a 1-byte mask, as
+Korthikanti et al. count it), not fused, so what autograd saves is what their
+table 2 counts; recompute="selective" checkpoints that function (q kᵀ, softmax,
+dropout, ·V), "full" the whole layer from its input. PyTorch's non-reentrant
+checkpoint re-runs only what backward needs: q kᵀ, softmax and dropout, not ·V
+(whose output backward never reads); with dropout on, the whole layer.
 
 Dropout draws from each rank's own generator. With tensor parallelism alone the
 dropouts after attention and the MLP act on replicated tensors, so the ranks must
@@ -42,100 +42,20 @@ with dropout off.
 from __future__ import annotations
 
 import gc
-import math
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from labkit.ledger import memory
-from labkit.parallel.tensor_parallel import (
-    MLP,
-    ParallelMLP,
-    ParallelSelfAttention,
-    SelfAttention,
-)
+from labkit.parallel.models import TransformerLayer, _check_recompute, split_heads
+from labkit.parallel.tensor_parallel import ParallelMLP, ParallelSelfAttention
 from labkit.parallel.tensor_parallel_mappings import (
     all_gather_first,
     reduce_scatter_first,
 )
-from labkit.theory import RECOMPUTE  # the modes the closed form prices
-
-
-def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """Dropout that keeps a 1-byte (bool) mask for backward, as fused GPU kernels
-    do; F.dropout on CPU keeps a mask of x's dtype (2 bytes in bf16)."""
-    if not training or p == 0:
-        return x
-    return torch.native_dropout(x, p, True)[0]
-
-
-def core_attention(q, k, v, causal: bool, p: float = 0.0, training: bool = True):
-    """softmax(q kᵀ/√d [+ causal mask]) with dropout, times v, written out so that
-    autograd saves what Korthikanti et al. count: q and k (for q kᵀ), the softmax
-    output, the dropout mask and output, and v. (s, b, n, d) each -> (s, b, n*d)."""
-    s, b, n, d = q.shape
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # (b, n, s, d)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (1 / math.sqrt(d))
-    if causal:  # an addition saves nothing for backward (a masked_fill its mask)
-        bias = torch.full((s, s), float("-inf"), dtype=scores.dtype).triu(1)
-        scores = scores + bias
-    probs = dropout(torch.softmax(scores, dim=-1), p, training)  # (b, n, s, s)
-    out = torch.matmul(probs, v)  # (b, n, s, d)
-    return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
-
-
-def _check_recompute(recompute: str) -> str:
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
-    return recompute
-
-
-class TransformerLayer(nn.Module):
-    """A pre-LayerNorm GPT layer in one process, [s, b, h] -> [s, b, h]:
-    x + drop(proj(attention(ln1(x)))), then + drop(fc2(gelu(fc1(ln2(x))))).
-    `attn` is tensor_parallel.SelfAttention and `mlp` its MLP (for their weights;
-    the attention core is `core_attention`)."""
-
-    def __init__(self, hidden: int, heads: int, ffn_hidden: int | None = None,
-                 dropout: float = 0.0, causal: bool = True, recompute: str = "none"):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.attn = SelfAttention(hidden, heads, causal)
-        self.mlp = MLP(hidden, ffn_hidden or 4 * hidden)
-        self.p, self.causal = dropout, causal
-        self.recompute = _check_recompute(recompute)
-
-    def _column(self, linear: nn.Module, x):
-        return linear(x)
-
-    def _qkv(self, x):  # (s, b, h) -> three (s, b, heads, d)
-        a, (s, b) = self.attn, x.shape[:2]
-        return [m(x).view(s, b, -1, a.head_dim) for m in (a.q, a.k, a.v)]
-
-    def _attention(self, x):
-        q, k, v = self._qkv(x)
-        args = (q, k, v, self.causal, self.p, self.training)
-        if self.recompute == "selective" and torch.is_grad_enabled():
-            o = checkpoint(core_attention, *args, use_reentrant=False)
-        else:
-            o = core_attention(*args)
-        return self.attn.proj(o)
-
-    def _mlp(self, x):
-        return self.mlp.fc2(F.gelu(self._column(self.mlp.fc1, x)))
-
-    def _layer(self, x):
-        x = x + dropout(self._attention(self.ln1(x)), self.p, self.training)
-        return x + dropout(self._mlp(self.ln2(x)), self.p, self.training)
-
-    def forward(self, x):
-        if self.recompute == "full" and torch.is_grad_enabled():
-            return checkpoint(self._layer, x, use_reentrant=False)
-        return self._layer(x)
 
 
 class _GatherLinear(torch.autograd.Function):
@@ -207,10 +127,9 @@ class ParallelTransformerLayer(TransformerLayer):
             return _GatherLinear.apply(x, linear.weight, linear.bias, self.group)
         return linear(x)
 
-    def _qkv(self, x):  # (s/t or s, b, h) -> three (s, b, heads/t, d)
-        qkv = self._column(self.attn.qkv, x)
-        s, b = qkv.shape[:2]
-        return [t.view(s, b, -1, self.attn.head_dim) for t in qkv.chunk(3, dim=-1)]
+    def _qkv(self, x):  # (s/t or s, b, h) -> three (b, n/t, s, d)
+        qkv = self._column(self.attn.qkv, x)  # (s, b, 3h/t)
+        return [split_heads(t, self.attn.head_dim) for t in qkv.chunk(3, dim=-1)]
 
 
 def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -19,10 +19,11 @@ reduce-scattered to a sequence shard instead of g.
 Initialization: weights are drawn as nn.Linear draws them (uniform, bound
 1/sqrt(full in_features)), each rank its own slice from its own generator;
 biases start at zero, as in Megatron. `from_linear` / `from_mlp` /
-`from_attention` take this rank's slice of a single-process module instead, so a
-test or a chapter compares with one process. Layout: [s, b, h] (sequence first,
-as Megatron) for attention; the MLP takes any (..., h). The operators themselves
-live in tensor_parallel_mappings.py and are re-exported here.
+`from_attention` take this rank's slice of a single-process module (models.py's
+MLP and SelfAttention) instead, so a test or a chapter compares with one process.
+Layout: [s, b, h] (sequence first, as Megatron; see models.py) for attention,
+which is models.attention on this rank's heads; the MLP takes any (..., h). The
+operators themselves live in tensor_parallel_mappings.py and are re-exported here.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.parallel.models import (
+    MLP,
+    SelfAttention,
+    _head_dim,
+    attention,
+    merge_heads,
+    split_heads,
+)
 from labkit.parallel.tensor_parallel_mappings import (
     copy_to_tensor_model_parallel_region,
     divide,
@@ -46,8 +55,8 @@ from labkit.parallel.tensor_parallel_mappings import (
 )
 
 __all__ = [
-    "MLP", "ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention",
-    "RowParallelLinear", "SelfAttention", "copy_to_tensor_model_parallel_region",
+    "ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention",
+    "RowParallelLinear", "copy_to_tensor_model_parallel_region",
     "divide", "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region",
@@ -182,49 +191,6 @@ class RowParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-# -- the single-process references ------------------------------------------------
-
-
-def _head_dim(hidden: int, heads: int) -> int:
-    if heads < 1 or hidden % heads:
-        raise ValueError(f"hidden = {hidden} is not divisible by heads = {heads}: "
-                         "every head needs hidden / heads features")
-    return hidden // heads
-
-
-class MLP(nn.Module):
-    """A transformer's MLP in one process: fc2(gelu(fc1(x))), (..., h) -> (..., h)."""
-
-    def __init__(self, hidden: int, ffn_hidden: int):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(hidden, ffn_hidden), nn.Linear(ffn_hidden,
-                                                                      hidden)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
-class SelfAttention(nn.Module):
-    """Multi-head self-attention in one process, [s, b, h] -> [s, b, h]: q, k, v
-    and the output projection `proj` are nn.Linear(h, h); head i is features
-    [i*d, (i+1)*d), d = h / heads. The number of heads is read from q's output
-    (-1 in the view), so the module also runs on PyTorch's DTensor shards."""
-
-    def __init__(self, hidden: int, heads: int, causal: bool = True):
-        super().__init__()
-        self.head_dim = _head_dim(hidden, heads)
-        self.heads, self.causal = heads, causal
-        self.q, self.k, self.v, self.proj = (nn.Linear(hidden, hidden)
-                                             for _ in range(4))
-
-    def forward(self, x):
-        s, b = x.shape[:2]
-        q, k, v = (m(x).view(s, b, -1, self.head_dim).permute(1, 2, 0, 3)
-                   for m in (self.q, self.k, self.v))  # (b, heads, s, d)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        return self.proj(o.permute(2, 0, 1, 3).reshape(s, b, -1))
-
-
 # -- the parallel blocks ----------------------------------------------------------
 
 
@@ -294,13 +260,12 @@ class ParallelSelfAttention(nn.Module):
                                                  sequence_parallel=sequence_parallel)
         return out
 
-    def forward(self, x):
-        qkv = self.qkv(x)  # (s, b, 3h/t), whole sequence (gathered if parallel)
-        s, b = qkv.shape[:2]
-        q, k, v = (t.view(s, b, self.local_heads, self.head_dim).permute(1, 2, 0, 3)
-                   for t in qkv.chunk(3, dim=-1))  # (b, heads/t, s, d)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        return self.proj(o.permute(2, 0, 1, 3).reshape(s, b, -1))  # (s, b, h/t)
+    def forward(self, x):  # (s, b, h), or (s/t, b, h) with sequence_parallel
+        qkv = self.qkv(x)  # (s, b, 3h/t): the whole sequence (gathered if parallel)
+        q, k, v = (split_heads(t, self.head_dim)
+                   for t in qkv.chunk(3, dim=-1))  # (b, n/t, s, d) each
+        o = attention(q, k, v, self.causal)  # (b, n/t, s, d)
+        return self.proj(merge_heads(o))  # (s, b, h/t) -> (s, b, h) or (s/t, b, h)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, heads={self.heads} ({self.local_heads} on "

@@ -20,10 +20,12 @@ stage's gradients over the data-parallel group in one all-reduce of all of them
   stage boundary (each tensor rank sends its own copy);
 - dp: one all-reduce of this rank's gradient shard, 2(dp-1)/dp of it per rank.
 
-`TinyGPT` is the single-process reference (an nn.Sequential: embedding, blocks,
-head); `stage_layers(model, groups)` is this rank's part of any TinyGPT, under the
-same names, so a test compares every weight after training with one process.
-Layout: (batch, seq, hidden); the attention runs on (seq, batch, hidden) inside.
+`TinyGPT` (models.py) is the single-process reference (an nn.Sequential:
+embedding, blocks, head); `stage_layers(model, groups)` is this rank's part of any
+TinyGPT, under the same names, so a test compares every weight after training
+with one process. Layout: tokens (b, s) in, logits (b, s, V) out, and [s, b, h]
+between the modules, so a stage boundary passes a micro-batch's [s, b/m, h]
+activation (the micro-batches are cut from the tokens' rows, dim 0).
 """
 
 from __future__ import annotations
@@ -32,102 +34,28 @@ import copy
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from labkit.parallel.data_parallel import pack, unpack
+from labkit.parallel.models import TinyGPT, TransformerLayer, lm_loss
 from labkit.parallel.pipeline_parallel import PipelineParallel, split_layers
-from labkit.parallel.tensor_parallel import (
-    MLP,
-    ParallelMLP,
-    ParallelSelfAttention,
-    SelfAttention,
-)
+from labkit.parallel.sequence_parallel import ParallelTransformerLayer
 
-__all__ = ["Embedding", "GPTBlock", "Head", "ParallelGPTBlock", "ThreeD", "TinyGPT",
-           "lm_loss", "stage_layers"]
-
-
-class Embedding(nn.Module):
-    """Token plus learned position embedding: (b, s) token ids -> (b, s, h)."""
-
-    def __init__(self, vocab: int, seq: int, hidden: int):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
-
-    def forward(self, ids):
-        return self.tok(ids) + self.pos.weight[: ids.shape[1]]
-
-
-class GPTBlock(nn.Module):
-    """A pre-norm transformer block in one process: (b, s, h) -> (b, s, h)."""
-
-    def __init__(self, hidden: int, heads: int):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.attn, self.mlp = SelfAttention(hidden, heads), MLP(hidden, 4 * hidden)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x).transpose(0, 1)).transpose(0, 1)
-        return x + self.mlp(self.ln2(x))
-
-
-class ParallelGPTBlock(GPTBlock):
-    """The same block with its attention heads and MLP split over the tensor
-    group: f before each column-parallel layer (identity forward, all-reduce
-    backward), g after each row-parallel one (all-reduce forward)."""
-
-    def __init__(self, block: GPTBlock, group):
-        nn.Module.__init__(self)
-        self.ln1, self.ln2 = _copy(block.ln1), _copy(block.ln2)
-        self.attn = ParallelSelfAttention.from_attention(block.attn, group)
-        self.mlp = ParallelMLP.from_mlp(block.mlp, group)
-
-
-class Head(nn.Module):
-    """Final LayerNorm and the output projection: (b, s, h) -> (b, s, vocab)."""
-
-    def __init__(self, hidden: int, vocab: int):
-        super().__init__()
-        self.ln = nn.LayerNorm(hidden)
-        self.out = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, x):
-        return self.out(self.ln(x))
-
-
-class TinyGPT(nn.Sequential):
-    """Embedding, `layers` blocks, head: layers + 2 modules in a row, which a
-    pipeline cuts into stages ("0" is the embedding, "layers + 1" the head)."""
-
-    def __init__(self, vocab: int = 64, seq: int = 16, hidden: int = 32,
-                 heads: int = 4, layers: int = 2):
-        super().__init__(Embedding(vocab, seq, hidden),
-                         *(GPTBlock(hidden, heads) for _ in range(layers)),
-                         Head(hidden, vocab))
-        self.vocab, self.seq, self.hidden = vocab, seq, hidden
-        self.heads, self.n_blocks = heads, layers
-
-
-def lm_loss(logits, targets):
-    """Next-token cross entropy, the mean over every position: (b, s, V), (b, s)."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def _copy(module: nn.Module) -> nn.Module:
-    return copy.deepcopy(module)
+__all__ = ["ThreeD", "stage_layers"]
 
 
 def stage_layers(model: TinyGPT, groups, balance=None) -> list[nn.Module]:
     """All of `model`'s modules, this rank's stage (by groups.pp_rank) made
-    parallel over groups.tp_group (blocks) or copied (embedding, head); the other
-    stages' modules are left as they are (the pipeline drops them)."""
+    parallel over groups.tp_group (blocks: ParallelTransformerLayer.from_layer,
+    f before each column-parallel layer, g after each row-parallel one) or copied
+    (embedding, head); the other stages' modules are left as they are (the
+    pipeline drops them)."""
     lo, hi = split_layers(len(model), groups.pp_size, balance)[groups.pp_rank]
     out = list(model)
     for i in range(lo, hi):
         m = model[i]
-        out[i] = (ParallelGPTBlock(m, groups.tp_group) if isinstance(m, GPTBlock)
-                  else _copy(m))
+        out[i] = (ParallelTransformerLayer.from_layer(m, groups.tp_group)
+                  if isinstance(m, TransformerLayer) else copy.deepcopy(m))
     return out
 
 
