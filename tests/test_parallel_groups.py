@@ -132,3 +132,88 @@ def test_immutable_and_checked(cluster):
 def test_build_needs_ranks():
     with pytest.raises(RuntimeError, match="inside cluster.run"):
         ParallelGroups.build(tp=1)
+
+
+# -- expert parallelism: ep of the dp ranks, and the replicas of their experts --------
+
+EP_SHAPES = [(4, 1, 1, 4, 1, 2), (8, 2, 1, 4, 1, 2), (8, 1, 2, 4, 1, 4),
+             (16, 2, 1, 4, 2, 2), (4, 1, 1, 4, 1, 4)]
+
+
+def test_expert_groups_by_hand():
+    g = grid(4, tp=1, pp=1, dp=4, ep=2)
+    assert g["ep"] == [[0, 1], [2, 3]], g["ep"]
+    assert g["edp"] == [[0, 2], [1, 3]], g["edp"]
+    g = grid(8, tp=2, pp=1, dp=4, ep=2)  # dp groups [0, 2, 4, 6] and [1, 3, 5, 7]
+    assert g["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]], g["ep"]
+    assert g["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]], g["edp"]
+    assert coordinates(6, tp=2, pp=1, dp=4, ep=2) == {
+        "tp": 0, "cp": 0, "pp": 0, "dp": 3, "ep": 1, "edp": 1}
+    # ep = 1, the default: the grid and coordinates of before, nothing added
+    assert list(grid(8, 2, 1, 4, ep=1)) == list(DIMS)
+    assert list(coordinates(3, 2, 1, 4, ep=1)) == list(DIMS)
+
+
+@pytest.mark.parametrize("world,tp,pp,dp,cp,ep", EP_SHAPES)
+def test_expert_groups_split_each_dp_group(world, tp, pp, dp, cp, ep):
+    g = grid(world, tp, pp, dp, cp, ep)
+    assert list(g) == list(DIMS) + ["ep", "edp"], list(g)
+    for d, size in (("ep", ep), ("edp", dp // ep)):
+        assert all(len(x) == size for x in g[d]), (d, g[d])
+        assert sorted(itertools.chain(*g[d])) == list(range(world)), (d, g[d])
+    for r in range(world):
+        c = coordinates(r, tp, pp, dp, cp, ep)
+        assert c["dp"] == c["edp"] * ep + c["ep"], (r, c)
+        dp_group = next(x for x in g["dp"] if r in x)
+        for d in ("ep", "edp"):  # inside its dp group, at its coordinate
+            mine = next(x for x in g[d] if r in x)
+            assert set(mine) <= set(dp_group) and mine.index(r) == c[d], (r, d, mine)
+
+
+def test_ep_must_divide_dp():
+    with pytest.raises(ValueError, match="ep = 3 must divide dp = 4"):
+        grid(4, 1, 1, 4, ep=3)
+    with pytest.raises(ValueError, match="ep must be an integer >= 1"):
+        coordinates(0, 1, 1, 4, ep=0)
+
+
+def _build_ep(rank, world_size, tp, dp, ep):
+    import torch.distributed as dist
+
+    g = ParallelGroups.build(tp=tp, dp=dp, ep=ep)
+    sums = {}
+    for d in ("ep", "edp", "dp"):
+        x = torch.tensor([float(rank)])
+        dist.all_reduce(x, group=getattr(g, f"{d}_group"))
+        sums[d] = x.item()
+    return {"sums": sums, "ranks": {d: getattr(g, f"{d}_ranks") for d in ("ep", "edp")},
+            "at": (g.ep_rank, g.edp_rank, g.edp_size), "str": str(g),
+            "coords": g.coords()}
+
+
+@pytest.mark.parametrize("tp,dp,ep", [(1, 4, 2), (2, 2, 2), (1, 4, 4)])
+def test_expert_groups_on_four_ranks(cluster, tp, dp, ep):
+    lists = grid(4, tp, 1, dp, ep=ep)
+    for rank, r in enumerate(cluster.run(_build_ep, tp, dp, ep)):
+        c = coordinates(rank, tp, 1, dp, ep=ep)
+        for d in ("ep", "edp"):
+            mine = next(x for x in lists[d] if rank in x)
+            assert r["ranks"][d] == tuple(mine), (rank, d, r["ranks"][d], mine)
+            assert r["sums"][d] == sum(mine), (
+                f"rank {rank}: {d} all-reduce summed {r['sums'][d]}, the ranks "
+                f"{mine} sum to {sum(mine)}")
+        assert r["at"] == (c["ep"], c["edp"], dp // ep), (rank, r["at"], c)
+        assert r["str"] == f"TP({tp})-PP(1)-DP({dp})-EP({ep})-Rank({rank})", r["str"]
+        assert r["coords"].endswith(f"ep {c['ep']}/{ep}, edp {c['edp']}/{dp // ep}")
+
+
+def _no_ep(rank, world_size):
+    g = ParallelGroups.build(dp=4)
+    return (g.ep_size, g.ep_ranks, g.ep_group, g.edp_ranks == g.dp_ranks,
+            g.edp_group is g.dp_group, g.ep_rank, g.edp_size, str(g))
+
+
+def test_without_ep_the_experts_replicas_are_the_dp_group(cluster):
+    for rank, r in enumerate(cluster.run(_no_ep)):
+        assert r == (1, (rank,), None, True, True, 0, 4,
+                     f"TP(1)-PP(1)-DP(4)-Rank({rank})"), r

@@ -70,6 +70,24 @@ from labkit.theory.zero import (
     zero_traffic,
 )
 
+from labkit.theory.context_parallel import (
+    CP_METHODS,
+    ContextTraffic,
+    allgather_traffic,
+    context_parallel_traffic,
+    ring_traffic,
+    ulysses_traffic,
+)
+from labkit.theory.moe import (
+    ExpertMemory,
+    ExpertTraffic,
+    MoEParams,
+    expert_memory,
+    expert_traffic,
+    moe_params,
+    node_limited_reach,
+)
+
 __all__ = [
     "COLLECTIVES", "MODELS", "MODES", "PLACEMENTS", "PUBLISHED_PARAMS", "AlphaBeta",
     "Bubble", "BytesPerParam", "ModelConfig", "Placement", "PlacementCost", "Verdict",
@@ -86,3 +104,7 @@ __all__ += ["A100_SELENE", "H100_NODE", "LLAMA3_CLUSTER", "PUBLISHED_RUNS",
             "flops_per_token", "gemm_time", "layer_gemms", "ring_latency", "scale"]
 # for chapters and the layers above (tests/test_public_faces.py)
 __all__ += ["RECOMPUTE", "SCORE_TERMS", "TERM_GROUP", "check_counts", "hardware"]
+__all__ += ["CP_METHODS", "ContextTraffic", "allgather_traffic",
+            "context_parallel_traffic", "ring_traffic", "ulysses_traffic"]
+__all__ += ["ExpertMemory", "ExpertTraffic", "MoEParams", "expert_memory",
+            "expert_traffic", "moe_params", "node_limited_reach"]

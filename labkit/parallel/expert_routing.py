@@ -1,0 +1,174 @@
+"""Mixture-of-experts routing (expert_parallel.py's helper): which experts each
+token goes to and with what weight, how many (token, expert) pairs an expert
+takes, and the two ways of keeping the experts evenly loaded.
+
+    router = Router(hidden=16, experts=8, k=2)        # Mixtral's gate
+    routing = router(x)           # x (T, h): .experts (T, k), .gates (T, k)
+    keep = within_capacity(routing.experts, 8, capacity(1.25, 2, T, 8))
+
+Scores and gates. A linear gate gives each token E logits. `score="softmax"`
+with `normalize=True` takes the top k of the softmax and rescales their k
+probabilities to sum to 1, which is Mixtral's Softmax(TopK(x W_g)) (Jiang et al.
+2024, sec. 2.1) and GShard's top-2 (Lepikhin et al. 2020, Algorithm 1); Switch's
+top-1 keeps the probability itself (k=1, `normalize=False`; Fedus et al. 2021,
+sec. 2.1). DeepSeek-V3 scores each expert with a sigmoid and normalises the k
+chosen scores (`score="sigmoid"`, DeepSeek-AI 2024, sec. 2.1.2, eqs. 13-15; its
+code also multiplies the gates by a constant, 2.5, not done here).
+
+Balance. Switch's auxiliary loss α·E·Σ f_i·P_i (Fedus et al. 2021, eq. 4) pulls
+the router's probabilities towards the experts that get few tokens; DeepSeek-V3
+instead adds a bias b_i to the scores for the top-k choice only, never to the
+gates, and after each step moves it by γ against the expert's load (sec. 2.1.2,
+"auxiliary-loss-free load balancing"; Wang et al. 2024). Node-limited routing
+(sec. 2.1.2) sends a token to experts on at most M nodes, those whose experts'
+k/M highest scores sum highest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One router call over T tokens."""
+
+    experts: torch.Tensor  # (T, k) int64: the expert of each choice, best first
+    gates: torch.Tensor  # (T, k): the weight of each choice's output (has grad)
+    scores: torch.Tensor  # (T, E): every expert's score (softmax or sigmoid)
+
+    def load(self) -> torch.Tensor:
+        """(E,) int64: the (token, expert) pairs routed to each expert."""
+        return torch.bincount(self.experts.reshape(-1),
+                              minlength=self.scores.shape[-1])
+
+
+class Router(nn.Module):
+    """A top-k router: a linear gate (no bias), scores, the k best experts.
+
+    nodes, max_nodes: node-limited routing; the E experts are `nodes` contiguous
+    groups (the experts of one node each) and a token's k experts lie in at most
+    `max_nodes` of them. `bias` (a buffer, not a parameter: no gradient) is
+    DeepSeek-V3's balancing bias, added to the scores to choose only."""
+
+    SCORES = ("softmax", "sigmoid")
+
+    def __init__(self, hidden: int, experts: int, k: int, *, score: str = "softmax",
+                 normalize: bool = True, nodes: int = 1,
+                 max_nodes: int | None = None):
+        super().__init__()
+        max_nodes = nodes if max_nodes is None else max_nodes
+        if score not in self.SCORES:
+            raise ValueError(f"score must be one of {self.SCORES}, not {score!r}")
+        if not 1 <= k <= experts:
+            raise ValueError(f"k = {k} experts per token out of {experts}")
+        if experts % nodes or not 1 <= max_nodes <= nodes:
+            raise ValueError(f"{experts} experts on {nodes} nodes, at most "
+                             f"{max_nodes} per token: nodes must divide the "
+                             "experts and 1 <= max_nodes <= nodes")
+        if k % max_nodes or k // max_nodes > experts // nodes:
+            raise ValueError(f"node-limited routing ranks nodes by their k/M = "
+                             f"{k}/{max_nodes} best experts: M must divide k and "
+                             f"k/M be at most the {experts // nodes} per node")
+        self.k, self.score, self.normalize = k, score, normalize
+        self.nodes, self.max_nodes = nodes, max_nodes
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.register_buffer("bias", torch.zeros(experts))
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.out_features
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor | None = None
+                ) -> Routing:
+        """x (T, h). experts (T, k): use this choice instead of the router's own
+        (the same routing for another run, e.g. in float64); gates still come
+        from this router's scores."""
+        logits = self.gate(x)  # (T, h) -> (T, E)
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        if experts is None:
+            experts = self.choose(scores.detach())  # (T, k)
+        gates = scores.gather(1, experts)  # (T, k)
+        if self.normalize:
+            gates = gates / gates.sum(-1, keepdim=True)
+        return Routing(experts, gates, scores)
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """(T, E) scores -> (T, k) experts: the top k of scores + bias, within
+        the best `max_nodes` nodes."""
+        biased = scores + self.bias  # the bias picks experts, never weighs them
+        if self.max_nodes < self.nodes:
+            biased = limit_nodes(biased, self.nodes, self.max_nodes, self.k)
+        return biased.topk(self.k, dim=-1).indices
+
+
+def limit_nodes(scores: torch.Tensor, nodes: int, max_nodes: int, k: int
+                ) -> torch.Tensor:
+    """(T, E) scores with every expert outside a token's `max_nodes` best nodes
+    set to -inf; a node's score is the sum of its k/M highest (DeepSeek-AI 2024,
+    sec. 2.1.2)."""
+    t, e = scores.shape
+    per_node = scores.view(t, nodes, e // nodes)  # (T, nodes, E/nodes)
+    node_score = per_node.topk(k // max_nodes, dim=-1).values.sum(-1)  # (T, nodes)
+    best = node_score.topk(max_nodes, dim=-1).indices  # (T, M)
+    allowed = torch.zeros(t, nodes, dtype=torch.bool).scatter_(1, best, True)
+    allowed = allowed.repeat_interleave(e // nodes, dim=1)  # (T, E)
+    return scores.masked_fill(~allowed, float("-inf"))
+
+
+def capacity(factor: float, k: int, tokens: int, experts: int) -> int:
+    """Pairs one expert takes from `tokens` tokens: ceil(factor·k·T/E) (Fedus et
+    al. 2021, sec. 2.2, eq. 3, with k choices per token as GShard's 2T/E)."""
+    if factor <= 0:
+        raise ValueError(f"the capacity factor must be > 0, got {factor}")
+    return math.ceil(factor * k * tokens / experts)
+
+
+def within_capacity(experts: torch.Tensor, num_experts: int, cap: int | None
+                    ) -> torch.Tensor:
+    """(T, k) bool: which (token, expert) pairs their expert takes. Each expert
+    takes its first `cap` pairs, first choices before second ones and in token
+    order within a choice (GShard's priority: Lepikhin et al. 2020, Algorithm
+    1). cap None: all."""
+    if cap is None:
+        return torch.ones_like(experts, dtype=torch.bool)
+    t, k = experts.shape
+    queue = F.one_hot(experts.t().reshape(-1), num_experts)  # (k T, E), choice-major
+    place = (queue.cumsum(0) * queue).sum(1) - 1  # (k T,): place in its queue
+    return (place < cap).view(k, t).t()
+
+
+def switch_balance_loss(routing: Routing, alpha: float = 1e-2) -> torch.Tensor:
+    """α·E·Σ_i f_i·P_i (Fedus et al. 2021, eq. 4; α = 10^-2 there): f_i the
+    fraction of the T·k pairs routed to expert i, P_i the mean over tokens of
+    its probability (scores rescaled to sum to 1 per token: softmax unchanged).
+    Equal to α when the routing is uniform; its gradient reaches the router
+    through P."""
+    t, k = routing.experts.shape
+    e = routing.scores.shape[-1]
+    f = routing.load().to(routing.scores.dtype) / (t * k)  # (E,)
+    p = routing.scores / routing.scores.sum(-1, keepdim=True)  # (T, E)
+    return alpha * e * (f * p.mean(0)).sum()
+
+
+@torch.no_grad()
+def update_bias(router: Router, load: torch.Tensor, gamma: float = 1e-3, *,
+                sum_over=None) -> torch.Tensor:
+    """DeepSeek-V3's loss-free balancing, after a step: each expert's bias goes
+    down by γ if its load is above the mean, up by γ if below (DeepSeek-AI 2024,
+    sec. 2.1.2; γ = 0.001 for most of training, sec. 4.2). load: (E,) pairs
+    routed to each expert in the step (Routing.load). sum_over: a process group
+    (dist.group.WORLD for all) to sum the load over first, so that every rank
+    sees the whole batch and makes the same update; None: this load alone.
+    Returns the new bias."""
+    load = load.to(router.bias.dtype).clone()  # (E,)
+    if sum_over is not None:
+        dist.all_reduce(load, group=sum_over)
+    router.bias += gamma * torch.sign(load.mean() - load)
+    return router.bias
