@@ -3,6 +3,8 @@ when one falls short. Made-up figures only: nothing here is timed."""
 
 import math
 
+import pytest
+
 from labkit.cli import bench, main
 from labkit.cli.bench import Row, cluster_rows, exit_code, table
 from labkit.cli.bench_ring import ring_rows
@@ -151,3 +153,85 @@ def test_roofline_bench_says_it_needs_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench_roofline() == 2
     assert "on a CUDA GPU, and this machine has none" in capsys.readouterr().out
+
+
+# -- bench expert: the rows from made-up timings and byte counts -------------------
+
+_MOE = {"hidden": 2, "ffn": 4, "experts": 8, "k": 2, "tokens": 4}
+
+
+def _moe_bytes(sent_away, received_away, backward=True):
+    """A rank's ledger by hand: rows of h=2 float32 elements (8 bytes), sent to
+    other ranks by the dispatch and the combine, forward and (the same again)
+    backward, plus the counts exchanged first: E/ep = 2 int64 to each of the 3
+    others, 48 bytes."""
+    rows = (sent_away + received_away) * (2 if backward else 1)
+    return {"ledger": rows * 8 + 48, "tokens": 4, "sent_away": sent_away,
+            "received_away": received_away, "element_size": 4}
+
+
+def test_expert_rows_ratios_and_bytes_against_the_closed_form():
+    from labkit.cli.bench_expert import expert_rows
+
+    step = {"ExpertParallelMoE": 0.8, "one-process MoELayer": 1.0, "dense MLP": 0.5}
+    layer = [_moe_bytes(6, 5), _moe_bytes(8, 8), _moe_bytes(0, 3), _moe_bytes(6, 6)]
+    rows = _by_name(expert_rows(step, layer, _MOE, 4, 2, 1))
+    assert exit_code(list(rows.values())) == 0, table(list(rows.values()))
+    assert rows["ExpertParallelMoE / one-process MoELayer"].value == 0.8
+    assert rows["  best cores allow: 1 core(s) / the ranks' 2"].value == 0.5
+    assert rows["ExpertParallelMoE / dense MLP (routing + all-to-alls)"].value == 1.6
+    exact = rows["  |ledger - expert_traffic|, worst rank"]
+    assert exact.value == 0 and exact.status == "ok"
+    # rank 1 sent and received 8 + 8 rows of its 8 pairs, the balanced 6 + 6:
+    # 2 x 16 x 8 + 48 bytes over 2 x 12 x 8 + 48
+    skew = rows["  largest rank / balanced routing's closed form"]
+    assert skew.value == (2 * 16 * 8 + 48) / (2 * 12 * 8 + 48)
+    slow = _by_name(expert_rows(dict(step, ExpertParallelMoE=1.1), layer, _MOE, 4, 2,
+                                1))
+    assert slow["ExpertParallelMoE / one-process MoELayer"].status == "short"
+    # one core: the ranks cannot beat the loop, so the ratio has no target
+    one = _by_name(expert_rows(dict(step, ExpertParallelMoE=1.1), layer, _MOE, 4, 1,
+                               1))
+    assert one["ExpertParallelMoE / one-process MoELayer"].target is None
+    assert one["  best cores allow: 1 core(s) / the ranks' 1"].value == 1.0
+    # 16 cores, 4 threads a rank: the loop has 4 of the ranks' 16
+    assert _by_name(expert_rows(step, layer, _MOE, 4, 16, 4))[
+        "  best cores allow: 4 core(s) / the ranks' 16"].value == 0.25
+
+
+def test_expert_rows_catch_a_ledger_that_missed_a_byte_or_the_backward():
+    from labkit.cli.bench_expert import expert_rows
+
+    step = {"ExpertParallelMoE": 0.8, "one-process MoELayer": 1.0, "dense MLP": 0.5}
+    name = "  |ledger - expert_traffic|, worst rank"
+    right = _moe_bytes(6, 5)
+    for wrong, off in ((dict(right, ledger=right["ledger"] - 1), 1),
+                       (_moe_bytes(6, 5, backward=False), 11 * 8)):
+        rows = expert_rows(step, [_moe_bytes(6, 6), wrong, right, right], _MOE, 4,
+                           2, 1)
+        assert _by_name(rows)[name].value == off, table(rows)
+        assert _by_name(rows)[name].status == "short" and exit_code(rows) == 1
+
+
+def test_bench_expert_command(monkeypatch):
+    from labkit.cli import bench_expert
+
+    seen = []
+    monkeypatch.setattr(bench_expert, "run", lambda n: seen.append(n) or 0)
+    assert main.main(["bench", "expert"]) == 0
+    assert main.main(["bench", "expert", "--world-size", "2"]) == 0
+    assert seen == [4, 2]
+
+
+@pytest.mark.ranks  # bench_expert starts a Cluster (conftest cannot see it here)
+def test_bench_expert_runs_small():
+    """The whole bench at toy sizes: its bytes agree with the closed form on
+    every rank (bytes, not timings: the times' ratios are not asserted)."""
+    from labkit.cli.bench_expert import bench_expert
+
+    rows = _by_name(bench_expert(4, rounds=1, steps=1,
+                                 sizes={"hidden": 16, "ffn": 32, "tokens": 32}))
+    assert rows["  |ledger - expert_traffic|, worst rank"].status == "ok"
+    for r in range(4):
+        assert rows[f"all-to-all bytes per layer, rank {r} (ledger)"].value > 0
+    assert all(rows[k].value > 0 for k in rows if k.endswith("median of rounds"))

@@ -1,5 +1,5 @@
 """`python -m labkit ...`: doctor | bench cluster|ring|strategies|model-parallel|
-roofline |
+roofline|expert |
 launch FILE.py:FN [ARG...] [--results DIR] | export NOTEBOOK --out FILE.py |
 results DIR... [--chart DIR] | images | clean-notebooks FILES... | student [--run]
 (one module per command)."""
@@ -48,6 +48,10 @@ def _bench(args) -> int:
         from labkit.cli.bench_ring import bench_ring
 
         return bench_ring(n)
+    if args.what == "expert":
+        from labkit.cli import bench_expert
+
+        return bench_expert.run(n)
     from labkit.cli.bench import bench_cluster
 
     return bench_cluster(n)
@@ -107,7 +111,7 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks: each figure beside its target; "
                        "exit status 1 when one falls short")
     b.add_argument("what", choices=["cluster", "ring", "strategies", "model-parallel",
-                                    "roofline"])
+                                    "roofline", "expert"])
     b.add_argument("--world-size", type=int, default=None,
                    help="ranks (default: 2 for model-parallel, else 4)")
     b.set_defaults(func=_bench)
