@@ -1,4 +1,4 @@
-"""Chapter 12's checks: which ranks share each of a rank's groups (on the
+"""Chapter 13's checks: which ranks share each of a rank's groups (on the
 cluster's ranks, or for any order of the dimensions), the bytes a rank sends in
 its data-parallel group per step, a ring collective's α-β seconds, and how a
 layout change moves each dimension's bytes. The cluster checks run the
@@ -199,7 +199,7 @@ def mesh_groups(rank: int, dims: dict) -> dict:
     """Reference: the ranks of each of `rank`'s groups when the ranks fill a grid
     of `dims` (name -> size, outermost first) row-major, the last dimension
     innermost: how torch's init_device_mesh(..., mesh_dim_names=tuple(dims))
-    lays them out (chapter 12, section 6). A group of dimension k is the ranks
+    lays them out (chapter 13, section 6). A group of dimension k is the ranks
     whose other coordinates are equal, in coordinate order."""
     sizes = list(dims.values())
     strides, s = [], 1

@@ -1,4 +1,4 @@
-"""`python -m labkit bench roofline`: chapter 12's roofline against the GPU it
+"""`python -m labkit bench roofline`: chapter 13's roofline against the GPU it
 describes. Times bf16 matrix products of the shapes one GPU gets from a Llama 3
 405B layer under TP 8 (QKV at 8192, 1024, 256 and 32 tokens, the MLP's down
 projection at 8192) and sets each beside the calculator's price for it,
@@ -33,7 +33,7 @@ def cluster_for(device_name: str):
 
 
 def shapes() -> dict[str, tuple[float, float, float]]:
-    """{label: (m, n, k)}: the products chapter 12's roofline chart places."""
+    """{label: (m, n, k)}: the products chapter 13's roofline chart places."""
     from labkit.theory import layer_gemms
     from labkit.theory import MODELS
 
@@ -93,7 +93,7 @@ def bench_roofline() -> int:
 
     if not torch.cuda.is_available():
         print("bench roofline times matrix products on a CUDA GPU, and this machine "
-              "has none: run it where chapter 12's GPUs are (an H100 or A100).")
+              "has none: run it where chapter 13's GPUs are (an H100 or A100).")
         return 2
     name = torch.cuda.get_device_name()
     cluster = cluster_for(name)
