@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit.ledger.common import Ledger
-from labkit.ledger.traffic_ledger import _classify, _tensors
+from labkit.ledger.c10d_calls import classify, tensors
 
 POLL_S = 2e-4  # how often the watcher asks an unfinished work without a future
 
@@ -177,13 +177,13 @@ class TimelineLedger(Ledger, TorchDispatchMode):
 
     def _issued(self, func, op: str, args, kwargs, arg, res, t0: float) -> None:
         ns = func._schema.name.partition("::")[0]
-        payload = _tensors(args[arg]) if arg is not None and arg < len(args) else []
+        payload = tensors(args[arg]) if arg is not None and arg < len(args) else []
         nbytes = sum(t.numel() * t.element_size() for t in payload)
         record = [op, t0, None, nbytes]
         with self._lock:
             self._comm.append(record)
         if ns != "c10d":  # functional: done when its result is waited for
-            for t in _tensors(res):
+            for t in tensors(res):
                 self._functional[id(t)] = record
             return
         works = [dist.distributed_c10d.Work.unbox(a)
@@ -222,7 +222,7 @@ class TimelineLedger(Ledger, TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        ns, name, kind = _classify(func)
+        ns, name, kind = classify(func)
         t0 = time.perf_counter()
         res = func(*args, **kwargs)
         if kind is not None:

@@ -27,6 +27,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit.runtime import set_activity
 from labkit.conventions import BUS_FACTOR
+from labkit.ledger.c10d_calls import (
+    classify,
+    group_of,
+    io_path_ok,
+    sent_to_others,
+    tensors,
+    wait_for,
+    wchar,
+)
 from labkit.ledger.common import Ledger
 from labkit.units import human_bytes as human
 
@@ -58,140 +67,6 @@ class Record:
         return asdict(self)
 
 
-def _tensors(x) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for item in x for t in _tensors(item)]
-    return []
-
-
-# op name -> (our name, which positional argument holds the payload S, multiply by n?)
-_C10D = {
-    "allreduce_": ("all_reduce", 0, False),
-    "allreduce_coalesced_": ("all_reduce", 0, False),
-    "broadcast_": ("broadcast", 0, False),
-    "reduce_": ("reduce", 0, False),
-    "allgather_": ("all_gather", 0, False),
-    "_allgather_base_": ("all_gather", 0, False),
-    "allgather_coalesced_": ("all_gather", 0, False),
-    "allgather_into_tensor_coalesced_": ("all_gather", 0, False),
-    "reduce_scatter_": ("reduce_scatter", 1, False),
-    "_reduce_scatter_base_": ("reduce_scatter", 1, False),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, False),
-    "alltoall_": ("all_to_all", 1, False),
-    "alltoall_base_": ("all_to_all", 1, False),
-    "scatter_": ("scatter", 0, True),
-    "gather_": ("gather", 1, True),
-    "send": ("send", 0, False),
-    "recv_": ("recv", 0, False),
-    "recv_any_source_": ("recv", 0, False),
-    "barrier": ("barrier", None, False),
-    "monitored_barrier_": ("barrier", None, False),
-}
-_FUNCTIONAL = {
-    "all_reduce": ("all_reduce", 0, False),
-    "all_reduce_": ("all_reduce", 0, False),
-    "all_reduce_coalesced": ("all_reduce", 0, False),
-    "all_reduce_coalesced_": ("all_reduce", 0, False),
-    "all_gather_into_tensor": ("all_gather", 0, True),
-    "all_gather_into_tensor_out": ("all_gather", 0, True),
-    "all_gather_into_tensor_coalesced": ("all_gather", 0, True),
-    "reduce_scatter_tensor": ("reduce_scatter", 0, False),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0, False),
-    "all_to_all_single": ("all_to_all", 0, False),
-    "broadcast": ("broadcast", 0, False),
-    "broadcast_": ("broadcast", 0, False),
-}
-_NAMESPACES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL,
-               "_c10d_functional_autograd": _FUNCTIONAL}
-
-
-# where an all-to-all's input split sizes are (its rows per peer; empty: even)
-_SPLITS = {"alltoall_base_": 4, "all_to_all_single": 2}
-
-
-def _sent_to_others(name: str, args, payload, nbytes: int, n: int, me: int) -> float:
-    """Bytes an all-to-all sends to the other ranks: the payload less this rank's
-    own chunk. With uneven splits (an MoE dispatch) that chunk is not 1/n of it,
-    so the bus factor's (n-1)/n would be wrong."""
-    if name == "alltoall_" and len(payload) == n:  # one input tensor per peer
-        mine = payload[me]
-        return nbytes - mine.numel() * mine.element_size()
-    at = _SPLITS.get(name)
-    splits = list(args[at]) if at is not None and at < len(args) else []
-    rows = payload[0].shape[0] if payload and payload[0].dim() else 0
-    if len(splits) != n or not rows:
-        return nbytes * BUS_FACTOR["all_to_all"](n)
-    return nbytes - splits[me] * nbytes / rows
-
-
-def _classify(func):
-    ns, _, name = func._schema.name.partition("::")
-    table = _NAMESPACES.get(ns)
-    return ns, name, (table[name] if table and name in table else None)
-
-
-def _group(ns: str, args) -> tuple[int, tuple[int, ...]]:
-    """The size of the group a call travels in, and its members' global ranks."""
-    pg = None
-    if ns == "c10d":
-        for a in args:
-            if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
-                pg = dist.ProcessGroup.unbox(a)
-                break
-    else:
-        for a in reversed(args):  # functional ops name their group last
-            if isinstance(a, str):
-                pg = dist.distributed_c10d._resolve_process_group(a)
-                break
-    if pg is None:
-        return dist.get_world_size(), tuple(range(dist.get_world_size()))
-    return pg.size(), _members(pg)
-
-
-def _members(pg) -> tuple[int, ...]:
-    """Global ranks of `pg`, in its own rank order (empty if c10d does not know it:
-    a group it did not create)."""
-    try:
-        return tuple(dist.get_process_group_ranks(pg))
-    except (ValueError, KeyError, RuntimeError):
-        by_name = {g.group_name: g for g in dist.distributed_c10d._world.pg_map}
-        g = by_name.get(pg.group_name)
-        return tuple(dist.get_process_group_ranks(g)) if g is not None else ()
-
-
-def _wait(ns: str, res) -> None:
-    """Wait for a collective to finish (double waits are harmless for these)."""
-    if ns != "c10d":
-        for t in _tensors(res):
-            torch.ops._c10d_functional.wait_tensor(t)
-        return
-    for a in res if isinstance(res, tuple) else (res,):
-        if isinstance(a, torch.ScriptObject) and "Work" in str(a._type()):
-            work = dist.distributed_c10d.Work.unbox(a)
-            if work is not None:  # NCCL may hand back none: the stream orders it
-                work.wait()
-    cuda = [t for t in _tensors(res) if t.is_cuda]
-    if cuda:  # wait() orders the GPU's stream only; the record's time needs the end
-        torch.cuda.synchronize(cuda[0].device)
-
-
-def _io_path_ok() -> bool:
-    try:
-        return _wchar() >= 0
-    except OSError:
-        return False
-
-
-def _wchar() -> int:
-    with open("/proc/self/io", "rb") as f:
-        for line in f:
-            if line.startswith(b"wchar:"):
-                return int(line.split()[1])
-    return -1
-
-
 class TrafficLedger(Ledger, TorchDispatchMode):
     """Records every collective made inside it; see `traffic()`."""
 
@@ -219,9 +94,9 @@ class TrafficLedger(Ledger, TorchDispatchMode):
         self._claim()
         try:
             self.rank = dist.get_rank()
-            self._wire_ok = _io_path_ok()
+            self._wire_ok = io_path_ok()
             self._install_phase_hooks(self._names)
-            self._w0 = _wchar() if self._wire_ok else None
+            self._w0 = wchar() if self._wire_ok else None
             self.start = time.perf_counter()
             return super().__enter__()
         except BaseException:
@@ -234,7 +109,7 @@ class TrafficLedger(Ledger, TorchDispatchMode):
         finally:
             self.stop = time.perf_counter()
             if self._w0 is not None:
-                self.written = _wchar() - self._w0
+                self.written = wchar() - self._w0
             self._remove_hooks()
 
     def _remove_hooks(self) -> None:
@@ -243,12 +118,12 @@ class TrafficLedger(Ledger, TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        ns, name, kind = _classify(func)
+        ns, name, kind = classify(func)
         if kind is None:
             return func(*args, **kwargs)
         op, arg, times_n = kind
-        n, members = _group(ns, args)
-        payload = _tensors(args[arg]) if arg is not None and arg < len(args) else []
+        n, members = group_of(ns, args)
+        payload = tensors(args[arg]) if arg is not None and arg < len(args) else []
         elements = sum(t.numel() for t in payload) * (n if times_n else 1)
         nbytes = sum(t.numel() * t.element_size() for t in payload) * (n if times_n
                                                                         else 1)
@@ -258,19 +133,19 @@ class TrafficLedger(Ledger, TorchDispatchMode):
         p2p = op in ("send", "recv")
         wire = self._wire_ok and not p2p and not any(t.is_cuda for t in payload)
         set_activity(f"{op} of {human(nbytes)} (group of {n})")
-        w0 = _wchar() if wire else 0
+        w0 = wchar() if wire else 0
         t0 = time.perf_counter()
         try:
             res = func(*args, **kwargs)
             if not p2p:
-                _wait(ns, res)
+                wait_for(ns, res)
         finally:
             set_activity(None)
         t1 = time.perf_counter()
-        w1 = _wchar() if wire else 0
+        w1 = wchar() if wire else 0
         self.records.append(Record(
             op=op, group_size=n, dtype=dtype, elements=elements, payload_bytes=nbytes,
-            bus_bytes=(_sent_to_others(name, args, payload, nbytes, n,
+            bus_bytes=(sent_to_others(name, args, payload, nbytes, n,
                                        members.index(self.rank))
                        if op == "all_to_all" and self.rank in members
                        else nbytes * BUS_FACTOR[op](n)),
