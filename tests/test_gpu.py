@@ -136,3 +136,103 @@ def test_ranks_beyond_the_gpus_run_on_cpu_and_see_no_gpu():
         out = c.run(_cpu_rank).values
     assert all(o == {"cuda": False, "backend": "gloo", "grad_device": "cpu"}
                for o in out)
+
+
+def _moe_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from labkit.ledger import traffic
+    from labkit.parallel import ExpertParallelMoE, MoELayer
+
+    torch.manual_seed(0)  # the same layer on every rank
+    layer = MoELayer(16, 32, experts=4 * world_size, k=2)
+    x = torch.randn(8 * world_size, 16, generator=torch.Generator().manual_seed(1))
+    ep = ExpertParallelMoE.from_moe(layer, dist.group.WORLD).cuda()
+    mine = x.chunk(world_size)[rank].cuda().requires_grad_()  # (8, 16)
+    with traffic() as t:
+        y = ep(mine)  # (8, 16): counts, then rows out and back over NCCL
+        y.backward(torch.ones_like(y))
+    return {"out": y.detach().cpu(), "dx": mine.grad.cpu(),
+            "experts": ep.routing.experts.cpu(), "traffic": t,
+            "device": mine.device.type}
+
+
+def test_expert_parallel_layer_on_gpus_equals_one_process():
+    """ExpertParallelMoE's all-to-alls of uneven splits on NCCL (CUDA tensors),
+    against the one-process layer on CPU in float32 and float64 on the same
+    routing (labkit.numerics.Oracle: the error allowed comes from this run)."""
+    import labkit
+    from labkit.numerics import Oracle
+    from labkit.parallel import MoELayer
+
+    with labkit.Cluster(N_GPU, timeout=60) as c:
+        res = c.run(_moe_worker).values
+    torch.manual_seed(0)
+    layer = MoELayer(16, 32, experts=4 * N_GPU, k=2)
+    x = torch.randn(8 * N_GPU, 16, generator=torch.Generator().manual_seed(1))
+    chosen = torch.cat([r["experts"] for r in res])  # the routing the ranks used
+
+    def one_process(model, inp):
+        inp = inp.clone().requires_grad_()
+        y = model(inp, experts=chosen)
+        y.backward(torch.ones_like(y))
+        return {"out": y.detach(), "dx": inp.grad}
+
+    oracle = Oracle(exact=one_process(layer.double(), x.double()),
+                    one_process={"one process, fp32": one_process(
+                        layer.float(), x)})
+    got = {"out": torch.cat([r["out"] for r in res]),
+           "dx": torch.cat([r["dx"] for r in res])}
+    assert {r["device"] for r in res} == {"cuda"}
+    print(oracle.check(got, f"MoE layer over {N_GPU} GPU rank(s): output, dx"))
+    # over 2 GPUs: counts, rows out and back forward, rows back and out backward;
+    # on one GPU the layer has every expert and sends nothing
+    want = 5 if N_GPU > 1 else 0
+    for rank, r in enumerate(res):
+        ops = [rec.op for rec in r["traffic"].records]
+        assert ops.count("all_to_all") == want, f"rank {rank}: {ops}, {want} expected"
+
+
+def _context_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from labkit.parallel import (
+        allgather_attention,
+        shard_balanced,
+        shard_sequence,
+        ulysses_attention,
+    )
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 4, 8 * world_size, 8, generator=g)
+               for _ in range(3))  # (b, a, s, d)
+    out = {}
+    for name, fn, shard in (("ulysses", ulysses_attention, shard_sequence),
+                            ("all-gather", allgather_attention, shard_balanced)):
+        mine = [shard(t, dist.group.WORLD).cuda() for t in (q, k, v)]
+        out[name] = fn(*mine, causal=True).cpu()  # this rank's rows
+    return out
+
+
+def test_context_parallel_attention_runs_on_gpus():
+    """Ulysses and the all-gather of K and V on CUDA tensors (their index and
+    mask tensors live on the device too), against one process in float32 and
+    float64 (labkit.numerics.Oracle: the error allowed comes from this run)."""
+    import labkit
+    from labkit.numerics import Oracle
+    from labkit.parallel import attention, balanced_rows
+
+    with labkit.Cluster(N_GPU, timeout=60) as c:
+        res = c.run(_context_worker).values
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 4, 8 * N_GPU, 8, generator=g) for _ in range(3))
+    full = {dt: attention(q.to(dt), k.to(dt), v.to(dt), causal=True)
+            for dt in (torch.float64, torch.float32)}  # (1, 4, s, d)
+    rows = {"ulysses": [torch.arange(8 * r, 8 * r + 8) for r in range(N_GPU)],
+            "all-gather": [balanced_rows(8 * N_GPU, N_GPU, r) for r in range(N_GPU)]}
+    for name, held in rows.items():
+        mine = torch.cat(held)  # every rank's rows, in rank order
+        oracle = Oracle(exact=full[torch.float64][..., mine, :],
+                        one_process={"one process": full[torch.float32][..., mine, :]})
+        got = torch.cat([r[name] for r in res], dim=-2)
+        print(oracle.check(got, f"{name} attention over {N_GPU} GPU rank(s)"))

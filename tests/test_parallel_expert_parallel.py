@@ -174,7 +174,7 @@ def _all_to_all(rank, world_size):
         x = (torch.arange(sum(send) * 2.0).view(-1, 2) + 100 * rank).requires_grad_()
         if name == "ours":
             y = all_to_all_rows(x, send, receive)
-        else:  # torch 2.13's, what torchtitan's ExpertParallel calls
+        else:  # torch 2.13's, what torchtitan's ExpertParallel called
             y = all_to_all_single_autograd(x, receive, send, dist.group.WORLD)
         y.backward(torch.arange(y.numel() * 1.0).view_as(y) * (rank + 1))
         out[name] = (y.detach(), x.grad)

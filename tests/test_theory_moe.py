@@ -50,8 +50,8 @@ def test_deepseek_v3_experts_per_rank_under_ep64():
 
 def test_node_limited_routing_reaches_13_experts_for_the_cost_of_4_nodes():
     # DeepSeek-AI 2024, sec. 3.2.2: NVLink 160 GB/s is 3.2 x IB's 50 GB/s, so a
-    # token sent to at most 4 nodes can reach "up to 13 experts (4 nodes x 3.2
-    # experts/node)"
+    # token sent to at most 4 nodes can reach "a maximum of 13 experts (4 nodes x
+    # 3.2 experts/node)"
     c: ClusterSpec = PUBLISHED_RUNS["deepseek-v3"].cluster
     reach = node_limited_reach(4, c.intra_bw, c.inter_bw)
     assert round(reach) == 13, f"{reach:.1f} experts, 13 published"

@@ -37,6 +37,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from labkit.parallel.models import attention
 from labkit.parallel.reduce_scatter import send_chunks, sum_chunks
 
 
@@ -68,7 +69,7 @@ def shard_balanced(x: torch.Tensor, group=None, dim: int = -2) -> torch.Tensor:
     """This rank's rows of `x` along `dim` in Llama 3's layout (a copy):
     chunks r and 2N-1-r of 2N."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    return x.index_select(dim, balanced_rows(x.shape[dim], n, r))
+    return x.index_select(dim, balanced_rows(x.shape[dim], n, r).to(x.device))
 
 
 def causal_work(s: int, n: int, balanced: bool = True) -> list[int]:
@@ -104,11 +105,8 @@ class _GatherRows(torch.autograd.Function):
 def attention_at(q, k, v, q_pos, k_pos, causal: bool, scale: float):
     """softmax(q k^T * scale) v where a query at position q_pos[i] sees the keys
     at k_pos[j] <= q_pos[i] (causal) or all of them: (..., c, d), (..., s, d)."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (..., c, s)
-    if causal:
-        hidden = q_pos[:, None] < k_pos[None, :]  # (c, s): keys in the future
-        scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)  # (..., c, d)
+    return attention(q, k, v, causal=causal, scale=scale,
+                     positions=(q_pos, k_pos))  # (..., c, d)
 
 
 def allgather_attention(q, k, v, group=None, causal: bool = False,

@@ -1,6 +1,6 @@
 """Expert parallelism: a mixture-of-experts layer whose E experts are spread over
 the ep ranks of an expert group, E/ep each, tokens travelling to their experts
-and back with two all-to-alls of uneven splits (Lepikhin et al. 2020, sec. 2.2).
+and back with two all-to-alls of uneven splits (Lepikhin et al. 2020, sec. 3.2-3.3).
 
     layer = MoELayer(hidden=16, ffn=32, experts=8, k=2)    # one process
     ep = ExpertParallelMoE.from_moe(layer, group)          # same weights, E/ep here
@@ -19,8 +19,8 @@ Backward, each all-to-all's gradient is the same exchange with the splits
 swapped. `all_to_all_rows` is our own autograd Function, like
 tensor_parallel_mappings'; torch 2.13 has one too, with uneven splits, on gloo:
 torch.distributed._functional_collectives.all_to_all_single_autograd (what
-torchtitan's ExpertParallel uses), checked equal in the tests. torch itself has
-no expert-parallel layer; torchtitan's is a DTensor ParallelStyle.
+torchtitan's ExpertParallel, a DTensor ParallelStyle, called from 2025 to May
+2026), checked equal in the tests. torch itself has no expert-parallel layer.
 
 Every expert runs on every call, on an empty batch if no row came: its gradient
 is then zeros, as in one process, and every replica's gradient has one shape.
@@ -221,7 +221,7 @@ def _moe_forward(layer, x, experts, *, group, ep: int, rank: int):
            else capacity(layer.capacity_factor, k, t, e))
     keep = within_capacity(routing.experts, e, cap).reshape(-1)  # (T k,)
     expert = routing.experts.reshape(-1)  # (T k,) pair -> expert
-    token = torch.arange(t).repeat_interleave(k)  # (T k,) pair -> token
+    token = torch.arange(t, device=x.device).repeat_interleave(k)  # (T k,) -> token
     kept = keep.nonzero().squeeze(1)
     order = kept[expert[kept].argsort(stable=True)]  # kept pairs, by expert
     counts = torch.bincount(expert[order], minlength=e)  # (E,)
@@ -249,7 +249,8 @@ def _run_experts(experts: nn.ModuleList, rows: torch.Tensor, got: torch.Tensor):
     """rows (M, h) in blocks by source rank, then local expert (got (ep, E/ep)
     rows per block) -> each row through its expert, in the same order."""
     ep, local = got.shape
-    which = torch.arange(local).repeat(ep).repeat_interleave(got.reshape(-1))  # (M,)
+    which = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(
+        got.reshape(-1))  # (M,)
     perm = which.argsort(stable=True)  # by local expert, sources in rank order
     chunks = rows[perm].split(got.sum(0).tolist())
     out = torch.cat([f(c) for f, c in zip(experts, chunks)])  # (M, h)

@@ -117,7 +117,8 @@ def limit_nodes(scores: torch.Tensor, nodes: int, max_nodes: int, k: int
     per_node = scores.view(t, nodes, e // nodes)  # (T, nodes, E/nodes)
     node_score = per_node.topk(k // max_nodes, dim=-1).values.sum(-1)  # (T, nodes)
     best = node_score.topk(max_nodes, dim=-1).indices  # (T, M)
-    allowed = torch.zeros(t, nodes, dtype=torch.bool).scatter_(1, best, True)
+    allowed = torch.zeros(t, nodes, dtype=torch.bool, device=scores.device
+                          ).scatter_(1, best, True)  # (T, nodes)
     allowed = allowed.repeat_interleave(e // nodes, dim=1)  # (T, E)
     return scores.masked_fill(~allowed, float("-inf"))
 

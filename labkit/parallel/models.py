@@ -53,19 +53,28 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 
 
 def attention(q, k, v, causal: bool = False, scale: float | None = None,
-              p: float = 0.0, training: bool = True):
+              p: float = 0.0, training: bool = True, positions=None):
     """softmax(q kᵀ·scale [+ causal mask]), dropout p, times v: (..., s, d) each ->
     (..., s, d); scale 1/√d unless given. Every s x s score is materialized, and
     autograd keeps q and k (for q kᵀ), the softmax output, the dropout mask and
     output, and v. The causal mask is added (-inf above the diagonal), which keeps
-    nothing for backward, where a masked_fill would keep its mask."""
+    nothing for backward, where a masked_fill would keep its mask.
+    positions: (q_pos (c,), k_pos (s,)), each row's place in the sequence, for
+    rows that are not the sequence's first in order (a context-parallel rank's
+    chunks, allgather_attention): a query sees the keys at or before it."""
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (..., s, s)
-    if causal:
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (..., c, s)
+    if causal and positions is None:  # q's rows are the sequence's first rows
         rows, cols = scores.shape[-2:]
         mask = torch.full((rows, cols), float("-inf"), dtype=scores.dtype,
-                          device=scores.device).triu(1)  # (s, s)
-        scores = scores + mask  # (..., s, s)
+                          device=scores.device).triu(1)  # (c, s)
+        scores = scores + mask  # (..., c, s)
+    elif causal:
+        q_pos, k_pos = (t.to(scores.device) for t in positions)  # (c,), (s,)
+        mask = torch.zeros(q_pos.shape[0], k_pos.shape[0], dtype=scores.dtype,
+                           device=scores.device)  # (c, s)
+        mask.masked_fill_(q_pos[:, None] < k_pos[None, :], float("-inf"))
+        scores = scores + mask  # (..., c, s)
     probs = dropout(torch.softmax(scores, dim=-1), p, training)  # (..., s, s)
     return torch.matmul(probs, v)  # (..., s, d)
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from labkit.parallel.allgather_attention import rows_of
 from labkit.parallel.reduce_scatter import send_chunks
-from labkit.parallel.ring_attention import attention
+from labkit.parallel.models import attention
 
 
 def _to_heads(x: torch.Tensor, group) -> torch.Tensor:
@@ -123,7 +123,7 @@ def ulysses_attention(q, k, v, group=None, causal: bool = False,
     qh, kh, vh = (sequence_to_heads(t, group) for t in (q, k, v))  # (.., a/N, s, d)
     if balanced:  # gathered rows are rank 0's two chunks, rank 1's, ...
         s = qh.shape[-2]
-        held = torch.cat([rows_of(s, n, j, True) for j in range(n)])  # (s,)
+        held = torch.cat([rows_of(s, n, j, True) for j in range(n)]).to(qh.device)
         order = torch.argsort(held)  # sequence position -> gathered row
         qh, kh, vh = (t.index_select(-2, order) for t in (qh, kh, vh))
     out = attention(qh, kh, vh, causal=causal, scale=scale)  # (..., a/N, s, d)

@@ -41,7 +41,7 @@ def expert_traffic(tokens: int, k: int, hidden: int, ep: int, dtype_bytes: int =
                    *, leave: float | None = None, arrive: float | None = None,
                    experts: int = 0, count_bytes: int = 8) -> ExpertTraffic:
     """The all-to-alls of expert parallelism over ep ranks, for a rank's T
-    tokens each sent to k experts (Lepikhin et al. 2020, sec. 2.2: dispatch and
+    tokens each sent to k experts (Lepikhin et al. 2020, sec. 3.2-3.3: dispatch and
     combine). leave: the fraction of the T·k (token, expert) pairs whose expert
     is on another rank, (ep-1)/ep when routing spreads them evenly (the
     all-to-all's factor in ring_bytes_per_rank); arrive: the rows other ranks
