@@ -11,6 +11,7 @@ from labkit.checks.common import ExerciseError
 from labkit.checks.sequence_parallel import (
     check_online_softmax_merge,
     check_sequence_parallel_mlp,
+    check_ulysses_bytes,
 )
 from labkit.parallel.ring_attention import Partial
 
@@ -105,3 +106,33 @@ def test_sequence_parallel_mlp_check(cluster, capsys):
         check_sequence_parallel_mlp(cluster, lambda *a: _sp_mlp(*a, all_reduce=True))
     with pytest.raises(ExerciseError, match=r"deadlock|did not finish|waiting"):
         check_sequence_parallel_mlp(cluster, _stuck, timeout=3)
+
+
+def _ulysses(s, b, h, n, e):  # four all-to-alls of (s/n, b, h), (n-1)/n of each
+    return 4 * s * b * h * e / n * (n - 1) / n
+
+
+def _stub(s, b, h, n, e):
+    raise NotImplementedError
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (lambda s, b, h, n, e: 4 * s * b * h * e / n, "own 1/N share"),
+    (lambda s, b, h, n, e: 3 * s * b * h * e / n * (n - 1) / n, "q, k and v only"),
+    (lambda s, b, h, n, e: 4 * s * b * h * e * (n - 1) / n, "a rank holds s/N rows"),
+    (lambda s, b, h, n, e: 2 * _ulysses(s, b, h, n, e), "the question is the forward"),
+    (lambda s, b, h, n, e: _ulysses(s, b, h, n, 2), "use dtype_bytes"),
+    (lambda s, b, h, n, e: _ulysses(s, b, h, n, e) + 1,   # no known mistake
+     r"got 29,360,129 bytes, expected 29,360,128\. Hint"),
+    (lambda s, b, h, n, e: "58 MiB", "expected a number of bytes, got str"),
+])
+def test_ulysses_bytes_check(wrong, says):
+    with pytest.raises(ExerciseError, match=says):
+        check_ulysses_bytes(wrong)
+
+
+def test_ulysses_bytes_check_passes_and_waits(capsys):
+    assert check_ulysses_bytes(_ulysses), "the right formula did not pass"
+    assert "correct" in capsys.readouterr().out
+    assert not check_ulysses_bytes(_stub), "a stub passed"
+    assert "not written yet" in capsys.readouterr().out

@@ -55,6 +55,8 @@ from labkit.checks.expert_parallel import (
     check_layer_bytes,
 )
 
+from labkit.checks.sequence_parallel import check_ulysses_bytes
+
 __all__ = ["ExerciseError", "SliceSGD", "check_answer", "check_bucket_flush",
            "check_placement", "check_ring_reduce_scatter", "check_uneven_shards",
            "check_zero1_step", "check_zero3_hooks"]
@@ -71,3 +73,4 @@ __all__ += ["check_bucket_count", "check_design", "check_min_units",
             "check_peers_any_order", "check_traffic_ratios", "check_whole_over_half",
             "elements_shared"]
 __all__ += ["check_capacity_factor", "check_dispatch", "check_layer_bytes"]
+__all__ += ["check_ulysses_bytes"]

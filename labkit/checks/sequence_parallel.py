@@ -1,5 +1,6 @@
 """Chapter 11's checks: the online-softmax merge that ring attention runs on every
-block, and a sequence-parallel MLP's forward (all-gather in, reduce-scatter out).
+block, a sequence-parallel MLP's forward (all-gather in, reduce-scatter out) and
+the bytes a rank sends in a layer of Ulysses.
 Each runs the answer on the ranks against one process, with a short time limit:
 a rank left waiting in a collective is reported in seconds."""
 
@@ -8,11 +9,14 @@ from __future__ import annotations
 import copy
 
 from labkit.checks.common import (
+    NOT_WRITTEN,
     NOT_YET,
     PASSED,
     SHORT_TIMEOUT,
     ExerciseError,
+    call_answer,
     check_like,
+    is_number,
     rounding_tolerance,
     run_answer,
     wrong_element,
@@ -267,3 +271,58 @@ def _mlp_hint(y, want, bias, t) -> str:
     return ("gather the shards in rank order (rank r's rows at [r*s/t, (r+1)*s/t)), "
             "apply w1, b1, GeLU and w2 on the whole sequence, then reduce-scatter "
             "along dim 0 so that rank r keeps rows [r*s/t, (r+1)*s/t) of the sum")
+
+
+# -- exercise 4: the bytes of a layer of Ulysses --------------------------------------
+
+# s, b, h, n, bytes an element: 8 ranks in bf16; 6 ranks (not a power of two);
+# 4 ranks in fp32 (so a fixed 2 bytes an element is caught)
+_ULYSSES_CASES = ((8192, 1, 4096, 8, 2), (6144, 2, 1536, 6, 2), (4096, 2, 1024, 4, 4))
+
+
+def _count(x) -> str:
+    """29,360,128 for a whole number of bytes, never 2.93601e+07."""
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.2f}"
+
+
+def check_ulysses_bytes(fn) -> bool:
+    """Check a student's `fn(s, b, h, n, dtype_bytes)`: the bytes one rank sends in
+    one attention layer's forward under Ulysses (theory.ulysses_traffic): four
+    all-to-alls (q, k, v in, the output back) of the rank's (s/n, b, h) tensor,
+    each sending all of it but its own 1/n share. A known mistake is named."""
+    from labkit.theory import ulysses_traffic
+
+    for s, b, h, n, e in _ULYSSES_CASES:
+        got = call_answer(fn, s, b, h, n, e, what="ulysses_bytes")
+        if got is NOT_WRITTEN:
+            return NOT_YET
+        case = f"s = {s}, b = {b}, h = {h}, N = {n}, {e} bytes an element"
+        if not is_number(got):
+            raise ExerciseError(f"{case}: expected a number of bytes, got "
+                                f"{type(got).__name__} {got!r}")
+        want = ulysses_traffic(s, b, h, n, e).forward
+        # a formula in float64: another order of the same operations differs
+        # in the 16th digit; 1e-9 relative absorbs that and nothing else
+        if abs(got - want) <= 1e-9 * want:
+            continue
+        mine = s * b * h * e / n  # one of the rank's q, k, v, output: (s/N, b, h)
+        near = {4 * mine: "the whole of each tensor: an all-to-all keeps the rank's "
+                          "own 1/N share, it sends (N-1)/N",
+                3 * mine * (n - 1) / n: "q, k and v only: the output's all-to-all "
+                                        "back to sequence shards sends as much",
+                4 * mine * (n - 1): "the whole sequence's tensors: a rank holds "
+                                    "s/N rows",
+                2 * want: "forward and backward: the question is the forward",
+                4 * s * b * h * 2 / n * (n - 1) / n: "2 bytes an element: use "
+                                                     "dtype_bytes"}
+        why = next((w for v, w in near.items() if abs(got - v) <= 1e-9 * v), "")
+        raise ExerciseError(f"{case}: got {_count(got)} bytes, expected "
+                            f"{_count(want)}" + (f" ({why})" if why else "")
+                            + ". Hint: four "
+                            "all-to-alls of a (s/N, b, h) tensor, each sending "
+                            "(N-1)/N of it")
+    s, b, h, n, e = _ULYSSES_CASES[0]
+    mib = ulysses_traffic(s, b, h, n, e).forward / 2**20
+    print(f"correct: 4 (N-1)/N x sbh e/N a rank per layer forward; at s = {s}, "
+          f"h = {h}, N = {n}, bf16: {mib:,.0f} MiB, the same again backward")
+    return PASSED

@@ -11,12 +11,13 @@ Layout: ring_attention's, (..., a, s/N, d) on every rank (batch, heads, this
 rank's rows, head dim), rows in the order the rank holds them.
 
 Causal load balancing (sec. 3.3.2): with contiguous chunks, rank r's queries see
-r + 1 chunks of keys and the last rank does 2N - 1 times the first's work
-(`causal_work`). Llama 3 cuts the sequence into 2N chunks and gives rank r
-chunks r and 2N-1-r, an early one and a late one, so every rank's causal work is
-the same (`balanced_rows`). The mask is built from the rows' positions in the
-sequence, so any order of rows, or a document mask, is the same code: the
-paper's first reason for the all-gather over a ring.
+r + 1 chunks of keys, and the last rank does up to 2N - 1 times the first's work
+(that ratio for long chunks; `causal_work` counts it: 6.3x at s = 32, N = 4).
+Llama 3 cuts the sequence into 2N chunks and gives rank r chunks r and 2N-1-r,
+an early one and a late one, so every rank's causal work is the same
+(`balanced_rows`). The mask is built from the rows' positions in the sequence,
+so any order of rows, or a document mask, is the same code: the paper's first
+reason for the all-gather over a ring.
 
 Backward: the adjoint of an all-gather is a reduce-scatter. Each rank's local
 attention gives gradients for the keys and values of the whole sequence (its
