@@ -122,6 +122,7 @@ def _stub(s, b, h, n, e):
     (lambda s, b, h, n, e: 4 * s * b * h * e * (n - 1) / n, "a rank holds s/N rows"),
     (lambda s, b, h, n, e: 2 * _ulysses(s, b, h, n, e), "the question is the forward"),
     (lambda s, b, h, n, e: _ulysses(s, b, h, n, 2), "use dtype_bytes"),
+    (lambda s, b, h, n, e: _ulysses(s, 1, h, n, e), "b sequences"),
     (lambda s, b, h, n, e: _ulysses(s, b, h, n, e) + 1,   # no known mistake
      r"got 29,360,129 bytes, expected 29,360,128\. Hint"),
     (lambda s, b, h, n, e: "58 MiB", "expected a number of bytes, got str"),
