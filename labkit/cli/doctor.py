@@ -29,6 +29,8 @@ def doctor() -> int:
     print(f"cpu cores   {os.cpu_count()}")
     print(f"gpus        {gpus}")
     print(f"backend     auto -> {resolve_backend('auto', 2)} for 2 ranks")
+    for i, line in enumerate(_class_size()):
+        print(("class size  " if i == 0 else " " * 12) + line)
     print("smoke test  2 ranks, all_reduce of [1] and [2] ...", end=" ", flush=True)
     try:
         with labkit.Cluster(2, timeout=60) as cluster:
@@ -42,3 +44,17 @@ def doctor() -> int:
         return 1
     print(f"ok ({res[0][1]}: every rank holds 3.0)")
     return 0
+
+
+def _class_size() -> list[str]:
+    """How many students this machine holds, from the footprint figures."""
+    from labkit.cli.footprint import _meminfo, class_lines, load_figures
+
+    try:
+        available = _meminfo()["MemAvailable"]
+    except (OSError, KeyError):
+        return ["unknown (no /proc/meminfo: Linux only)"]
+    fig, source = load_figures()
+    if not fig:
+        return ["unknown: run `python -m labkit footprint` to measure it"]
+    return class_lines(available, os.cpu_count() or 1, fig, source)

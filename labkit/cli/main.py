@@ -1,8 +1,8 @@
 """`python -m labkit ...`: doctor | bench cluster|ring|strategies|model-parallel|
 roofline|expert |
 launch FILE.py:FN [ARG...] [--results DIR] | export NOTEBOOK --out FILE.py |
-results DIR... [--chart DIR] | images | clean-notebooks FILES... | student [--run]
-(one module per command)."""
+results DIR... [--chart DIR] | images | clean-notebooks FILES... | student [--run] |
+footprint [--out FILE] (one module per command)."""
 
 from __future__ import annotations
 
@@ -97,6 +97,12 @@ def _clean_notebooks(args) -> int:
     return 0
 
 
+def _footprint(args) -> int:
+    from labkit.cli.footprint import footprint
+
+    return footprint(args.out)
+
+
 def _student(args) -> int:
     from labkit.cli.student import student
 
@@ -149,6 +155,11 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--run", action="store_true",
                     help="then run each notebook up to its first exercise")
     st.set_defaults(func=_student)
+    fp = sub.add_parser("footprint", help="what one student's kernel and 4-rank "
+                        "cluster hold, chapter by chapter (for a class on one server)")
+    fp.add_argument("--out", default=None, help="where to save the figures doctor "
+                    "reads (default: ~/.cache/labkit/footprint.json)")
+    fp.set_defaults(func=_footprint)
     return p
 
 

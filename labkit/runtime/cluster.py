@@ -8,7 +8,8 @@ Ranks are forked from a per-kernel forkserver that has torch imported
 (forkserver.py, rank.py), join a gloo (CPU) or NCCL (GPU) process group through a
 TCPStore this process hosts on 127.0.0.1, and wait for work. Any failure (an
 exception, a hang past `timeout`, a dead rank, an interrupt) stops every rank; the
-next `run` starts them again.
+next `run` starts them again. So does `idle_timeout` (or LABKIT_IDLE_TIMEOUT, for a
+whole server): ranks left idle that long are stopped and their memory given back.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from labkit.runtime.output import RankOutput
 from labkit.runtime.results import ClusterClosed, RankResults
 
 START_TIMEOUT = 120.0  # first start waits for the forkserver's torch import
+IDLE_ENV = "LABKIT_IDLE_TIMEOUT"  # seconds; a lecturer sets it server-wide
 _DEFAULT = object()
 
 
@@ -52,13 +54,20 @@ class Cluster:
     backend: "auto" (NCCL when there is one GPU per rank, else gloo on CPU),
     "gloo" or "nccl". timeout: seconds a `run` may take before the busy ranks are
     reported and stopped (None: no limit). threads: torch threads per rank
-    (default: cores // world_size, at least 1).
+    (default: cores // world_size, at least 1). idle_timeout: seconds after the
+    last call (or the start) when the ranks are stopped, to give their memory
+    back; the next `run` starts them again, without the variables earlier
+    %%ranks cells left on them (default: $LABKIT_IDLE_TIMEOUT, else None: never).
     """
 
     def __init__(self, world_size: int = 4, backend: str = "auto",
-                 timeout: float | None = 30.0, *, threads: int | None = None):
+                 timeout: float | None = 30.0, *, threads: int | None = None,
+                 idle_timeout=_DEFAULT):
         self.world_size = check_world_size(world_size)
         self.timeout = check_timeout(timeout)
+        self.idle_timeout = check_timeout(float(os.environ.get(IDLE_ENV) or 0) or None
+                                          if idle_timeout is _DEFAULT else idle_timeout)
+        self._idle, self._idled = [0, None], False  # [arming count, timer]; stopped
         self.backend = resolve_backend(backend, self.world_size)
         self.threads = threads or max(1, (os.cpu_count() or 1) // self.world_size)
         self._closed = False
@@ -80,6 +89,7 @@ class Cluster:
             self._listener.listen(2 * self.world_size)
             self._store, self.port = make_store()
             self._start()
+            self._arm_idle()
         except BaseException:
             self.close()
             raise
@@ -107,6 +117,7 @@ class Cluster:
                 raise ClusterClosed(
                     "this Cluster is closed (cluster.close() stopped its ranks); "
                     f"start another: cluster = labkit.Cluster({self.world_size})")
+            self._disarm_idle()
             try:
                 self._ensure_running()
                 self._calls += 1
@@ -114,17 +125,21 @@ class Cluster:
             except BaseException:
                 self._stop_ranks()  # unknown state: start clean on the next run
                 raise
+            finally:
+                self._arm_idle()
 
     def restart(self) -> None:
         """Stop the ranks and start them again."""
         self._stop_ranks()
         self._ensure_running()
+        self._arm_idle()
 
     def close(self) -> None:
         """Stop the ranks and free the port and files. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
+        self._disarm_idle()
         self._stop_ranks()
         self._sel.close()
         self._listener.close()
@@ -152,6 +167,10 @@ class Cluster:
     # -- starting and stopping ---------------------------------------------
 
     def _ensure_running(self) -> None:
+        if self._idled and not self._pids:
+            print(f"labkit: the ranks were stopped after {self.idle_timeout:g} s idle "
+                  "(idle_timeout); starting them again", file=sys.stderr)
+            self._idled = False
         if self._pids:
             # an idle rank that died (killed, OOM) shows as a readable socket: EOF
             events = self._sel.select(0)
@@ -162,6 +181,19 @@ class Cluster:
             print(f"labkit: {dead}; restarting the ranks", file=sys.stderr)
             self._stop_ranks()
         self._start()
+
+    def _arm_idle(self) -> None:
+        self._disarm_idle()
+        if self.idle_timeout and self._pids and not self._closed:
+            t = self._idle[1] = threading.Timer(self.idle_timeout, _stop_when_idle,
+                                                (weakref.ref(self), self._idle[0]))
+            t.daemon = True
+            t.start()
+
+    def _disarm_idle(self) -> None:
+        self._idle[0] += 1  # a timer already firing sees it is out of date
+        if self._idle[1] is not None:
+            self._idle[1].cancel()
 
     def links(self) -> RankLinks:
         """The running ranks' connections and output, for one call."""
@@ -285,6 +317,20 @@ class Cluster:
                 pass
             sock.close()
         self._main, self._status, self._pids = {}, {}, {}
+
+
+def _stop_when_idle(ref, armed: int) -> None:
+    """An idle timer's end: stop the ranks unless a call came (or runs) meanwhile."""
+    c = ref()
+    if c is None or not c._lock.acquire(blocking=False):
+        return  # gone, or a call is running: it arms a new timer when it ends
+    try:
+        if c._idle[0] == armed and c._pids and not c._closed:
+            c._stop_ranks()
+            c._idled = True
+    finally:
+        c._lock.release()
+
 
 # ------------------------------------------------------------------ defaults
 
