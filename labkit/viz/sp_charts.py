@@ -57,16 +57,16 @@ def activation_bars(terms, measured=None, extras=None, *, ax=None,
             bottom += h
         if measured is not None and measured.get(how) is not None:
             y = measured[how] / unit
-            ax.plot([x], [y], marker="D", color="black", ms=6, ls="none",
-                    gid=f"{how}/measured")
+            ax.plot([x], [y], marker="D", color="black", mfc="none", mew=1.2, ms=6,
+                    ls="none", gid=f"{how}/measured")  # hollow: a thin bar shows
             ax.annotate(f"{y:.3g}", (x, max(y, bottom)), xytext=(0, 6), fontsize=8,
                         textcoords="offset points", ha="center", va="bottom")
     handles = [Patch(facecolor=GROUPS[g][1], label=GROUPS[g][0]) for g in used]
     handles += [Patch(facecolor=EXTRA_COLOR, hatch="///", edgecolor="#7F7F7F",
                       label=f"{lab} (not in the formula)") for lab in labels]
     if measured is not None:
-        handles.append(Line2D([], [], marker="D", color="black", ls="none",
-                              label="measured (memory ledger)"))
+        handles.append(Line2D([], [], marker="D", color="black", mfc="none", mew=1.2,
+                              ls="none", label="measured (memory ledger)"))
     ax.set_xticks(xs, [_wrap(h) for h in terms], fontsize=8)
     ax.set_ylabel(unit_name)
     ax.set_ylim(0, ax.get_ylim()[1] * 1.12)  # room for the numbers on top
