@@ -108,8 +108,7 @@ test-cpus: install
 	$(BIN)/python -m labkit.cli.cpus --corners $(CPU_CORNERS) \
 		--cell-timeout $(CELL_TIMEOUT) --chapters $(CPU_CHAPTERS)
 
-# lint and the library tests that execute no notebook: the developer's quick loop
-# the fast inner loop: lint and the tests that start no process (tests/conftest.py
+# the developer's fast inner loop: lint and the tests that start no process (tests/conftest.py
 # marks the others "ranks"); `make test` runs everything
 check: lint
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider --ignore=tests/browser \
