@@ -15,7 +15,7 @@ CELL_TIMEOUT ?= 120
 CHROMIUM ?= /usr/bin/chromium
 
 .PHONY: FORCE install newest test-newest lock test-cpus check lab book slides student test lint test-lib test-notebooks \
-	browser-test bench doctor images clean-notebooks clean
+	browser-test bench doctor images clean-notebooks clean two-hosts
 
 install: $(STAMP)
 
@@ -131,6 +131,11 @@ doctor: install
 bench: install
 	status=0; for b in cluster ring strategies model-parallel expert; do \
 		$(BIN)/python -m labkit bench $$b || status=1; done; exit $$status
+
+# chapters 05 and 07 under torchrun on two "hosts" (network namespaces joined by a
+# veth pair; needs root): what a two-node run sets, printed as it goes
+two-hosts: install
+	$(BIN)/python examples/two_hosts.py
 
 images: install
 	$(BIN)/python -m labkit images
