@@ -15,7 +15,7 @@ CELL_TIMEOUT ?= 120
 CHROMIUM ?= /usr/bin/chromium
 
 .PHONY: FORCE install newest test-newest lock test-cpus check lab book slides student test lint test-lib test-notebooks \
-	browser-test bench doctor images clean-notebooks clean two-hosts
+	browser-test bench doctor images clean-notebooks clean vendor two-hosts
 
 install: $(STAMP)
 
@@ -66,24 +66,35 @@ NBCONVERT := $(BIN)/jupyter nbconvert --execute \
 CHAPTERS := $(wildcard notebooks/*.ipynb)
 JOBS ?= 2  # chapters executed at once (each page is its own kernel and ranks)
 
-book: install
-	$(MAKE) --no-print-directory -j$(JOBS) $(CHAPTERS:notebooks/%.ipynb=_build/book/%.html)
-	mkdir -p _build/images && cp images/*.svg _build/images/  # chapters link ../images
+# one site (labkit/cli/site.py): index, contents, previous/next, search, widgets
+book: install vendor
+	$(MAKE) --no-print-directory -j$(JOBS) \
+		$(CHAPTERS:notebooks/%.ipynb=_build/executed/%.ipynb)
+	$(BIN)/python -m labkit.cli.site _build/executed _build/book _build/vendor
 
-slides: install
+slides: install vendor
 	$(MAKE) --no-print-directory -j$(JOBS) \
 		$(CHAPTERS:notebooks/%.ipynb=_build/slides/%.slides.html)
 	mkdir -p _build/images && cp images/*.svg _build/images/
 
 # every page is executed afresh each time (labkit may have changed, not the chapter)
-_build/book/%.html: notebooks/%.ipynb FORCE
-	$(NBCONVERT) --to html --output-dir _build/book $<
+_build/executed/%.ipynb: notebooks/%.ipynb FORCE
+	$(NBCONVERT) --to notebook --output-dir _build/executed $<
 
 _build/slides/%.slides.html: notebooks/%.ipynb FORCE
-	$(NBCONVERT) --to slides --output-dir _build/slides \
+	$(NBCONVERT) $(OFFLINE) --to slides --output-dir _build/slides \
 		--SlidesExporter.reveal_scroll=True $<
 
 FORCE:
+
+# The pages work without a network: every script and style sheet they load sits in
+# _build/vendor/ (labkit/cli/vendor.py fetches it from npm once, at build time), and
+# nbconvert's URLs point there, relative to _build/slides/ (the book's site copies
+# them into its _static/).
+OFFLINE = $(shell $(BIN)/python -m labkit.cli.vendor --flags ../vendor _build/vendor)
+
+vendor: install
+	$(BIN)/python -m labkit.cli.vendor _build/vendor
 
 # the student edition: solutions out, outputs cleared, images beside the chapters
 student: install
@@ -92,7 +103,7 @@ student: install
 test: lint test-lib test-notebooks $(if $(wildcard $(CHROMIUM)),browser-test)
 
 lint: install
-	$(BIN)/ruff check labkit tests
+	$(BIN)/ruff check labkit tests examples
 	$(BIN)/lint-imports --no-cache  # the layers contract in pyproject.toml
 
 # the browser test runs as its own step (below), after the chapters pass under nbval
@@ -127,15 +138,15 @@ browser-test: install
 doctor: install
 	$(BIN)/python -m labkit doctor
 
-# every benchmark runs; make fails at the end if any figure fell short of its target
-bench: install
-	status=0; for b in cluster ring strategies model-parallel expert; do \
-		$(BIN)/python -m labkit bench $$b || status=1; done; exit $$status
-
 # chapters 05 and 07 under torchrun on two "hosts" (network namespaces joined by a
 # veth pair; needs root): what a two-node run sets, printed as it goes
 two-hosts: install
 	$(BIN)/python examples/two_hosts.py
+
+# every benchmark runs; make fails at the end if any figure fell short of its target
+bench: install
+	status=0; for b in cluster ring strategies model-parallel expert; do \
+		$(BIN)/python -m labkit bench $$b || status=1; done; exit $$status
 
 images: install
 	$(BIN)/python -m labkit images

@@ -1,6 +1,7 @@
 """make book / make slides: a widget chapter runs through `jupyter nbconvert
 --execute` in about the time its cells take, and the page keeps the widgets' state,
-the figure a widget shows included."""
+the figure a widget shows included; with labkit.cli.vendor's options the pages load
+no script or style sheet from the network (tests/browser opens them offline)."""
 
 import base64
 import json
@@ -11,7 +12,11 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import nbformat
 import pytest
+from traitlets.config.loader import KVArgParseConfigLoader
+
+from labkit.cli import vendor
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = ROOT / "notebooks" / "02_ring_allreduce.ipynb"  # viz.ring_stepper
@@ -81,3 +86,36 @@ def test_widget_chapter_executes_without_waiting_out_the_timeout(tmp_path):
     m = re.search(rf'<script type="{re.escape(STATE)}">(.*?)</script>', html, re.S)
     assert m, "no widget state in the page"
     assert _figures(json.loads(m.group(1))) == figures
+
+
+# a script or style sheet the page names, in an attribute or in its own scripts
+REMOTE = re.compile(r"""["'](https?://[^"'\s]+\.(?:m?js|css)(?:\?[^"'\s]*)?)["']""")
+# the book's template imports mermaid only where a ```mermaid diagram is
+MERMAID = "https://cdnjs.cloudflare.com/ajax/libs/mermaid"
+
+
+def _remote_urls(html: str) -> list[str]:
+    return REMOTE.findall(html)
+
+
+def test_pages_load_nothing_from_the_network(tmp_path):
+    from nbconvert import HTMLExporter, SlidesExporter
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# Title\n\n$2\\frac{N-1}{N}M$"),
+                nbformat.v4.new_markdown_cell("Down", metadata={
+                    "slideshow": {"slide_type": "subslide"}})]
+    nb.metadata["widgets"] = {STATE: {"state": {}, "version_major": 2,
+                                      "version_minor": 0}}
+    vendor.write_template(tmp_path)
+    config = KVArgParseConfigLoader(vendor.flags("../vendor", tmp_path)).load_config()
+    book, _ = HTMLExporter(config=config).from_notebook_node(nb)
+    slides, _ = SlidesExporter(config=config).from_notebook_node(nb)
+
+    assert "../vendor/mathjax/MathJax.js" in book and "../vendor/reveal.js" in slides
+    assert _remote_urls(slides) == [], _remote_urls(slides)
+    remote = [u for u in _remote_urls(book) if not u.startswith(MERMAID)]
+    assert remote == [], remote
+    diagrams = [p.name for p in (ROOT / "notebooks").glob("*.ipynb")
+                if "```mermaid" in p.read_text(encoding="utf-8")]
+    assert not diagrams, f"{diagrams} draw mermaid: add it to labkit/cli/vendor.py"

@@ -1,0 +1,122 @@
+"""The scripts and style sheets `make book` and `make slides` pages load, copied
+beside them so the pages work without a network (a lecture hall, an exam room).
+
+`python -m labkit.cli.vendor _build/vendor` fetches each package below from the
+npm registry (`npm pack`, node's own client) once, and keeps the files the pages
+use under `_build/vendor/<name>/`; `python -m labkit.cli.vendor --flags
+../vendor _build/vendor` prints the nbconvert options that point the pages there
+(`../vendor/...` from `_build/slides/`), for the Makefile and tests/browser; the
+book's site carries a copy in its `_static/` (labkit/cli/site.py). The versions
+are the ones nbconvert's templates name (MathJax 2.7.7, reveal.js 4.0.2) or its
+defaults are written for (require.js, jQuery, the widget renderer for ipywidgets
+8)."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from fnmatch import fnmatch
+from pathlib import Path
+
+# local name -> (npm package@version, the files or folders of it the pages use;
+# a name may be a glob)
+PACKAGES = {
+    "mathjax": ("mathjax@2.7.7", [
+        "MathJax.js", "config/TeX-AMS_CHTML-full.js", "extensions", "localization",
+        "config/Safe.js", "jax/input/TeX", "jax/element", "jax/output/CommonHTML",
+        "fonts/HTML-CSS/TeX/woff", "fonts/HTML-CSS/TeX/otf"]),
+    "reveal.js": ("reveal.js@4.0.2", ["dist", "plugin/notes"]),
+    "requirejs": ("requirejs@2.1.10", ["require.js"]),
+    "jquery": ("jquery@3.7.1", ["dist/jquery.min.js"]),
+    # ipywidgets 8's state (version_major 2); the standard widgets are bundled in
+    "html-manager": ("@jupyter-widgets/html-manager@1.0.15", [
+        "dist/embed-amd.js", "dist/*.woff2", "dist/*.woff", "dist/*.ttf"]),
+}
+
+# The slides' template imports mermaid from a CDN on every page (the book's only
+# where a diagram is); no chapter draws one, so the slides use reveal's template
+# without that import.
+TEMPLATE = "reveal-offline"
+TEMPLATE_FILES = {
+    "conf.json": '{"base_template": "reveal", "mimetypes": {"text/html": true}}\n',
+    "index.html.j2": "{%- extends 'reveal/index.html.j2' -%}\n"
+                     "{%- block html_head_js_mermaidjs -%}{%- endblock -%}\n",
+}
+
+
+def flags(base: str, dest: Path) -> list[str]:
+    """nbconvert options loading every script and style sheet from base/<name>
+    (a URL relative to the page), with the template written under dest."""
+    return [
+        f"--HTMLExporter.require_js_url={base}/requirejs/require.js",
+        f"--HTMLExporter.jquery_url={base}/jquery/dist/jquery.min.js",
+        f"--HTMLExporter.mathjax_url={base}/mathjax/MathJax.js"
+        "?config=TeX-AMS_CHTML-full,Safe",  # the configuration nbconvert names
+        f"--HTMLExporter.widget_renderer_url={base}/html-manager/dist/embed-amd.js",
+        f"--SlidesExporter.reveal_url_prefix={base}/reveal.js",
+        # simple, nbconvert's default theme, loads its fonts from Google; white's
+        # fonts ship with reveal.js
+        "--SlidesExporter.reveal_theme=white",
+        f"--TemplateExporter.extra_template_basedirs={dest.resolve() / 'templates'}",
+        f"--SlidesExporter.template_name={TEMPLATE}",
+    ]
+
+
+def write_template(dest: Path) -> None:
+    folder = dest / "templates" / TEMPLATE
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in TEMPLATE_FILES.items():
+        (folder / name).write_text(text)
+
+
+def _wanted(member: str, keep: list[str]) -> bool:
+    path = member.removeprefix("package/")
+    return any(fnmatch(path, k) or path.startswith(k + "/") for k in keep)
+
+
+def fetch(dest: Path, name: str) -> bool:
+    """Unpack one package's files into dest/name; False if already there."""
+    spec, keep = PACKAGES[name]
+    stamp, want = dest / name / ".fetched", f"{spec} {' '.join(keep)}"
+    if stamp.exists() and stamp.read_text() == want:  # same version, same files
+        return False
+    if shutil.which("npm") is None:
+        raise SystemExit("make book and make slides fetch the pages' scripts with "
+                         "npm: install Node.js (Debian/Ubuntu: apt-get install npm; "
+                         "conda: conda install nodejs)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run(["npm", "pack", "--silent", spec, "--pack-destination",
+                              tmp], capture_output=True, text=True, check=False)
+        if out.returncode:
+            raise SystemExit(f"npm pack {spec} failed:\n{out.stderr[-2000:]}")
+        tarball = Path(tmp) / out.stdout.split()[-1]
+        target = dest / name
+        with tarfile.open(tarball) as tar:
+            members = [m for m in tar.getmembers() if _wanted(m.name, keep)]
+            for m in members:
+                m.name = m.name.removeprefix("package/")
+            shutil.rmtree(target, ignore_errors=True)
+            tar.extractall(target, members=members, filter="data")
+    stamp.write_text(want)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--flags"]:  # --flags URL-BASE VENDOR-FOLDER
+        print(shlex.join(flags(args[1], Path(args[2]))))
+        return 0
+    dest = Path(args[0] if args else "_build/vendor")
+    write_template(dest)
+    for name in PACKAGES:
+        if fetch(dest, name):
+            print(f"{dest / name}: {PACKAGES[name][0]} from npm")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,197 @@
+"""`make slides` and `make book` opened with the network cut off, as in a lecture
+hall without Wi-Fi: Chromium may load file:// and localhost only, anything else is
+aborted (and listed in the failure).
+
+One chapter (02: math, subslides and a widget with a figure) is executed once. Its
+slide deck, beside a copy of _build/vendor/ as the Makefile lays it out, opens from
+disk, navigates (next, down, overview) and MathJax typesets every formula (no raw
+`$...$` or `\\(...\\)` left in the text). The book's site is built from it and
+the other chapters (unexecuted: the walk needs pages, not outputs) and served on
+localhost: the walk goes from the index through every chapter by "next" to the
+last, chapter 02 shows its math and its widgets' figures, and search finds pages.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from labkit.cli import site as course_site
+from labkit.cli import vendor
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAPTER = ROOT / "notebooks" / "02_ring_allreduce.ipynb"
+SECONDS = 60  # a page's scripts on 2 busy cores; loading from disk takes ~2 s
+
+# MathJax done: loaded, its queue empty, and at least one formula typeset.
+MATH_DONE = """() => window.MathJax && MathJax.isReady
+  && MathJax.Hub.queue.pending === 0
+  && document.querySelectorAll('.MathJax_CHTML, .mjx-chtml').length > 0"""
+# TeX left as text in the rendered markdown: $...$, $$...$$, \(...\), \[...\]
+RAW_TEX = re.compile(r"\$[^$\s][^$]*\$|\\\(|\\\[")
+TEXT_JS = """() => [...document.querySelectorAll(
+  '.jp-RenderedMarkdown, article .cell_markdown, article section > p')]
+  .map(e => e.innerText).join('\\n')"""
+
+
+def _run(*args: str, cwd: Path):
+    out = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True,
+                         text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory) -> Path:
+    """tmp/02_ring_allreduce.ipynb executed, tmp/vendor/, tmp/images/."""
+    tmp = tmp_path_factory.mktemp("offline")
+    _run("-m", "labkit.cli.vendor", str(ROOT / "_build" / "vendor"), cwd=ROOT)
+    shutil.copytree(ROOT / "_build" / "vendor", tmp / "vendor")
+    shutil.copytree(ROOT / "images", tmp / "images")
+    _run("-m", "nbconvert", "--to", "notebook", "--execute", "--output-dir",
+         str(tmp), "--ExecutePreprocessor.timeout=120",
+         "--ExecutePreprocessor.store_widget_state=True", str(CHAPTER), cwd=tmp)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def deck(executed) -> Path:
+    flags = vendor.flags("../vendor", executed / "vendor")
+    _run("-m", "nbconvert", "--to", "slides", "--output-dir", "slides", *flags,
+         "--SlidesExporter.reveal_scroll=True", CHAPTER.name, cwd=executed)
+    return executed / "slides" / f"{CHAPTER.stem}.slides.html"
+
+
+@pytest.fixture(scope="module")
+def book(executed):
+    """The site, served on 127.0.0.1: yields its base URL."""
+    chapters = executed / "chapters"
+    chapters.mkdir()
+    for nb in (ROOT / "notebooks").glob("*.ipynb"):
+        shutil.copy(nb, chapters / nb.name)
+    shutil.copy(executed / CHAPTER.name, chapters / CHAPTER.name)
+    course_site.build(chapters, executed / "book", executed / "vendor")
+    handler = functools.partial(_Quiet, directory=str(executed / "book"))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _Quiet(SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def offline(browser):
+    """A page that may load file:// (and localhost) only; what it tried beyond
+    that, and what failed to load, are listed in .blocked and .failed."""
+    context = browser.new_context()
+    blocked, failed = [], []
+
+    def guard(route):
+        url = route.request.url
+        if url.startswith(("file://", "data:", "http://127.0.0.1", "http://localhost")):
+            route.continue_()
+        else:
+            blocked.append(url)
+            route.abort()
+
+    context.route("**/*", guard)
+    page = context.new_page()
+    # a load cut short by leaving the page (ERR_ABORTED) is not a missing file
+    page.on("requestfailed", lambda r: r.failure == "net::ERR_ABORTED"
+            or failed.append(f"{r.url} ({r.failure})"))
+    page.blocked, page.failed = blocked, failed
+    try:
+        yield page
+    finally:
+        context.close()
+
+
+def _check_loaded_alone(page) -> None:
+    assert not page.blocked, f"the page asked the network for {page.blocked}"
+    assert not page.failed, f"files missing beside the page: {page.failed}"
+
+
+def _check_math(page, shots: Path, name: str) -> None:
+    page.wait_for_function(MATH_DONE, timeout=SECONDS * 1000)
+    typeset = page.locator(".mjx-chtml.MathJax_CHTML").count()
+    raw = RAW_TEX.findall(page.evaluate(TEXT_JS))
+    page.screenshot(path=str(shots / f"offline_{name}.png"))
+    assert typeset > 0 and not raw, (
+        f"{name}: {typeset} formulas typeset by MathJax, TeX left as text: {raw[:5]}")
+
+
+@pytest.mark.slow
+def test_slides_navigate_and_typeset_offline(deck, offline, shots):
+    page = offline
+    page.goto(deck.as_uri())
+    page.wait_for_selector(".reveal.ready", timeout=SECONDS * 1000)  # reveal.js up
+    _check_math(page, shots, "slides")
+    moves = []
+    for key, want in (("ArrowRight", "#/1"), ("ArrowDown", "#/1/1")):
+        page.keyboard.press(key)
+        page.wait_for_function(f"() => location.hash === '{want}'",
+                               timeout=SECONDS * 1000)
+        moves.append(page.evaluate("location.hash"))
+    assert moves == ["#/1", "#/1/1"], f"next, down went to {moves}"
+    page.keyboard.press("Escape")  # reveal.js's overview of all slides
+    page.wait_for_selector(".reveal.overview", timeout=SECONDS * 1000)
+    _check_loaded_alone(page)
+
+
+@pytest.mark.slow
+def test_book_walks_from_the_index_to_the_last_chapter_offline(book, offline, shots):
+    page = offline
+    page.goto(book + "index.html")
+    listed = page.locator("article .toctree-wrapper a.reference").all_inner_texts()
+    want = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert [t.split(" ")[0] for t in listed] == [w[:2] for w in want], listed
+    assert "how large models are trained" in page.inner_text("article")
+    walked = []
+    while page.locator("a.right-next").count():
+        page.locator("a.right-next").first.click()
+        page.wait_for_load_state("load")
+        walked.append(page.url.rsplit("/", 1)[-1].removesuffix(".html"))
+        if walked[-1] == CHAPTER.stem:
+            _check_math(page, shots, "book")
+            _check_widget_figures(page)
+    assert walked == want, f"index, then next: {walked}"
+    assert page.locator("a.left-prev").count(), "the last chapter links back"
+    _check_loaded_alone(page)
+
+
+@pytest.mark.slow
+def test_book_search_finds_chapters_offline(book, offline):
+    page = offline
+    page.goto(book + "search.html?q=all-reduce")
+    found = page.locator("#search-results li")
+    found.first.wait_for(timeout=SECONDS * 1000)
+    titles = found.all_inner_texts()
+    assert any(CHAPTER.stem[:2] in t for t in titles), titles
+    _check_loaded_alone(page)
+
+
+def _check_widget_figures(page) -> None:
+    views = page.locator('script[type="application/vnd.jupyter.widget-view+json"]')
+    wanted = views.count()
+    assert wanted > 0, "the executed chapter stored no widget view"
+    page.wait_for_function(
+        f"() => document.querySelectorAll('.widget-subarea').length >= {wanted}",
+        timeout=SECONDS * 1000)
+    sizes = page.evaluate("""() => [...document.querySelectorAll(
+        '.widget-subarea .widget-output img')]
+        .map(e => e.complete && e.naturalWidth)""")
+    assert sizes and all(sizes), f"widget figures' widths in pixels: {sizes}"
