@@ -36,12 +36,12 @@ from labkit.runtime.backend import (
 )
 from labkit.runtime.call import CallInFlight, RankLinks, pack_call
 from labkit.runtime.forkserver import select_one
+from labkit.runtime.idle import IdleTimer, idle_seconds
 from labkit.runtime.messages import Hello, JoinFailed, RankSpec
 from labkit.runtime.output import RankOutput
 from labkit.runtime.results import ClusterClosed, RankResults
 
 START_TIMEOUT = 120.0  # first start waits for the forkserver's torch import
-IDLE_ENV = "LABKIT_IDLE_TIMEOUT"  # seconds; a lecturer sets it server-wide
 _DEFAULT = object()
 
 
@@ -65,9 +65,8 @@ class Cluster:
                  idle_timeout=_DEFAULT):
         self.world_size = check_world_size(world_size)
         self.timeout = check_timeout(timeout)
-        self.idle_timeout = check_timeout(float(os.environ.get(IDLE_ENV) or 0) or None
-                                          if idle_timeout is _DEFAULT else idle_timeout)
-        self._idle, self._idled = [0, None], False  # [arming count, timer]; stopped
+        self.idle_timeout = idle_seconds(idle_timeout, _DEFAULT)
+        self._idle = IdleTimer(self, self.idle_timeout)
         self.backend = resolve_backend(backend, self.world_size)
         self.threads = threads or max(1, (os.cpu_count() or 1) // self.world_size)
         self._closed = False
@@ -89,7 +88,7 @@ class Cluster:
             self._listener.listen(2 * self.world_size)
             self._store, self.port = make_store()
             self._start()
-            self._arm_idle()
+            self._idle.arm()
         except BaseException:
             self.close()
             raise
@@ -117,7 +116,7 @@ class Cluster:
                 raise ClusterClosed(
                     "this Cluster is closed (cluster.close() stopped its ranks); "
                     f"start another: cluster = labkit.Cluster({self.world_size})")
-            self._disarm_idle()
+            self._idle.disarm()
             try:
                 self._ensure_running()
                 self._calls += 1
@@ -126,20 +125,20 @@ class Cluster:
                 self._stop_ranks()  # unknown state: start clean on the next run
                 raise
             finally:
-                self._arm_idle()
+                self._idle.arm()
 
     def restart(self) -> None:
         """Stop the ranks and start them again."""
         self._stop_ranks()
         self._ensure_running()
-        self._arm_idle()
+        self._idle.arm()
 
     def close(self) -> None:
         """Stop the ranks and free the port and files. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        self._disarm_idle()
+        self._idle.disarm()
         self._stop_ranks()
         self._sel.close()
         self._listener.close()
@@ -167,10 +166,10 @@ class Cluster:
     # -- starting and stopping ---------------------------------------------
 
     def _ensure_running(self) -> None:
-        if self._idled and not self._pids:
+        if self._idle.fired and not self._pids:
             print(f"labkit: the ranks were stopped after {self.idle_timeout:g} s idle "
                   "(idle_timeout); starting them again", file=sys.stderr)
-            self._idled = False
+            self._idle.fired = False
         if self._pids:
             # an idle rank that died (killed, OOM) shows as a readable socket: EOF
             events = self._sel.select(0)
@@ -181,19 +180,6 @@ class Cluster:
             print(f"labkit: {dead}; restarting the ranks", file=sys.stderr)
             self._stop_ranks()
         self._start()
-
-    def _arm_idle(self) -> None:
-        self._disarm_idle()
-        if self.idle_timeout and self._pids and not self._closed:
-            t = self._idle[1] = threading.Timer(self.idle_timeout, _stop_when_idle,
-                                                (weakref.ref(self), self._idle[0]))
-            t.daemon = True
-            t.start()
-
-    def _disarm_idle(self) -> None:
-        self._idle[0] += 1  # a timer already firing sees it is out of date
-        if self._idle[1] is not None:
-            self._idle[1].cancel()
 
     def links(self) -> RankLinks:
         """The running ranks' connections and output, for one call."""
@@ -317,19 +303,6 @@ class Cluster:
                 pass
             sock.close()
         self._main, self._status, self._pids = {}, {}, {}
-
-
-def _stop_when_idle(ref, armed: int) -> None:
-    """An idle timer's end: stop the ranks unless a call came (or runs) meanwhile."""
-    c = ref()
-    if c is None or not c._lock.acquire(blocking=False):
-        return  # gone, or a call is running: it arms a new timer when it ends
-    try:
-        if c._idle[0] == armed and c._pids and not c._closed:
-            c._stop_ranks()
-            c._idled = True
-    finally:
-        c._lock.release()
 
 
 # ------------------------------------------------------------------ defaults

@@ -1,0 +1,55 @@
+"""A cluster's idle timeout: ranks left idle `seconds` after their last call (or
+their start) are stopped, to give their memory back; the next `run` starts them
+again (Cluster.idle_timeout, or LABKIT_IDLE_TIMEOUT for a whole server)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+from labkit.runtime.backend import check_timeout
+
+IDLE_ENV = "LABKIT_IDLE_TIMEOUT"  # seconds; a lecturer sets it server-wide
+
+
+def idle_seconds(given, default) -> float | None:
+    """The timeout a cluster uses: `given`, or else $LABKIT_IDLE_TIMEOUT, else None
+    (never), when `given` is `default` (the argument was left out)."""
+    if given is default:
+        given = float(os.environ.get(IDLE_ENV) or 0) or None
+    return check_timeout(given)
+
+
+class IdleTimer:
+    """One timer at a time per cluster: `arm` after each call, `disarm` before the
+    next. `fired` says the ranks were stopped for being idle."""
+
+    def __init__(self, cluster, seconds: float | None):
+        self.seconds, self._cluster = seconds, weakref.ref(cluster)
+        self._armed, self._timer, self.fired = 0, None, False
+
+    def arm(self) -> None:
+        self.disarm()
+        c = self._cluster()
+        if self.seconds and c is not None and c._pids and not c._closed:
+            self._timer = threading.Timer(self.seconds, self._fire, (self._armed,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def disarm(self) -> None:
+        self._armed += 1  # a timer already firing sees it is out of date
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _fire(self, armed: int) -> None:
+        """Stop the ranks unless a call came (or runs) meanwhile."""
+        c = self._cluster()
+        if c is None or not c._lock.acquire(blocking=False):
+            return  # gone, or a call is running: it arms a new timer when it ends
+        try:
+            if self._armed == armed and c._pids and not c._closed:
+                c._stop_ranks()
+                self.fired = True
+        finally:
+            c._lock.release()
