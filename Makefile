@@ -14,7 +14,7 @@ CELL_TIMEOUT ?= 120
 # chromium fonts-wqy-microhei); never a browser downloaded by `playwright install`
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: FORCE install newest test-newest lock test-cpus check lab book slides student test lint test-lib test-notebooks \
+.PHONY: FORCE install newest test-newest lock test-cpus check lab book slides student nbgrader test lint test-lib test-notebooks \
 	browser-test bench doctor images clean-notebooks clean vendor two-hosts
 
 install: $(STAMP)
@@ -99,6 +99,11 @@ vendor: install
 # the student edition: solutions out, outputs cleared, images beside the chapters
 student: install
 	$(BIN)/python -m labkit student --out dist/student
+
+# every chapter with exercises as an nbgrader assignment: a course folder in
+# dist/nbgrader/ (README, For lecturers); `make student` stays the self-study edition
+nbgrader: install
+	$(BIN)/python -m labkit nbgrader --out dist/nbgrader
 
 test: lint test-lib test-notebooks $(if $(wildcard $(CHROMIUM)),browser-test)
 

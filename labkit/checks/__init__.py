@@ -4,9 +4,10 @@ A check runs the student's function on real ranks, compares it with a reference,
 and either prints a short success line or raises `ExerciseError` naming the rank,
 the tensor (or chunk) and the element that is wrong. A function that still raises
 NotImplementedError is "not written yet": the check says so and returns without
-failing the notebook; an exception, a deadlock (found after common.SHORT_TIMEOUT s)
-or a result of the wrong type, shape or dtype is one ExerciseError naming the rank
-and the student's line. May import every layer below; one module per chapter
+failing the notebook (under `graded()`, an nbgrader assignment's, it fails); an
+exception, a deadlock (found after common.SHORT_TIMEOUT s) or a result of the
+wrong type, shape or dtype is one ExerciseError naming the rank and the student's
+line. May import every layer below; one module per chapter
 that has checks.
 """
 
@@ -15,7 +16,7 @@ from labkit.checks.collectives import (
     check_bytes_per_rank,
     check_cheap_reduce_scatter,
 )
-from labkit.checks.common import ExerciseError, check_answer
+from labkit.checks.common import ExerciseError, NotAnswered, check_answer, graded
 from labkit.checks.data_parallel import (
     check_bucket_flush,
     check_bytes_per_step,
@@ -74,3 +75,5 @@ __all__ += ["check_bucket_count", "check_design", "check_min_units",
             "elements_shared"]
 __all__ += ["check_capacity_factor", "check_dispatch", "check_layer_bytes"]
 __all__ += ["check_ulysses_bytes"]
+# an nbgrader assignment's first code cell (labkit/cli/assignments.py)
+__all__ += ["NotAnswered", "graded"]

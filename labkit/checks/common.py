@@ -10,8 +10,9 @@ traceback per rank:
   waiting in recv from its left neighbour";
 - a result of the wrong type, shape or dtype, or a wrong element: where, got and
   expected (`compare`).
-A stub that still raises NotImplementedError is "not written yet": the check
-says so and returns without failing the notebook.
+A stub that still raises NotImplementedError (or a None left as the answer) is
+"not written yet": the check says so and returns without failing the notebook;
+under `graded()` (an nbgrader assignment's first code cell) it fails instead.
 """
 
 from __future__ import annotations
@@ -63,9 +64,32 @@ class Checked:
 PASSED, NOT_YET = Checked(True), Checked(False)
 
 
+class NotAnswered(ExerciseError):
+    """Under graded(): the exercise is still its stub, or its answer still None."""
+
+
+_graded = False
+
+
+def graded(on: bool = True) -> None:
+    """Grade, from now on in this kernel: an exercise left as its stub (or its
+    answer as None) fails its check, so nbgrader gives it no points, where it
+    otherwise says "not written yet" and lets Run All go on. `make nbgrader`'s
+    assignments call it in their first code cell."""
+    global _graded
+    _graded = bool(on)
+
+
+def not_yet(message: str) -> None:
+    """Say that an exercise has no answer yet; under graded(), fail with it."""
+    if _graded:
+        raise NotAnswered(f"{message} (graded: no answer yet is no points)")
+    print(message)
+
+
 def _not_yet(what: str) -> None:
-    print(f"not written yet: replace `raise NotImplementedError(...)` with your "
-          f"{what}, then run this cell again")
+    not_yet(f"not written yet: replace `raise NotImplementedError(...)` with your "
+            f"{what}, then run this cell again")
 
 
 # ------------------------------------------------------------ running answers
@@ -162,7 +186,7 @@ def check_answer(what: str, yours, expected, hint: str = "", rel: float = 1e-9) 
     (rel: closed forms in float64 agree to far better than 1e-9; a wrong formula
     is off by whole factors.)"""
     if yours is None:
-        print(f"{what}: not answered yet (replace None with your answer)")
+        not_yet(f"{what}: not answered yet (replace None with your answer)")
         return
     if not is_number(yours):
         raise ExerciseError(f"{what}: expected a number, got {yours!r}")

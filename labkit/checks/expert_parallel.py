@@ -10,6 +10,7 @@ import math
 
 from labkit.checks.common import (
     NOT_YET,
+    not_yet,
     PASSED,
     SHORT_TIMEOUT,
     ExerciseError,
@@ -234,7 +235,7 @@ def check_capacity_factor(what: str, cf, experts_by_rank, num_experts: int,
     from labkit.parallel import capacity, within_capacity
 
     if cf is None:
-        print(f"{what}: not answered yet (replace None with your factor)")
+        not_yet(f"{what}: not answered yet (replace None with your factor)")
         return NOT_YET
     if not is_number(cf) or not cf > 0:
         raise ExerciseError(f"{what}: the capacity factor is a number > 0, not {cf!r}")
@@ -278,7 +279,7 @@ def check_layer_bytes(what: str, yours, *, tokens: int, k: int, hidden: int, ep:
     routing spread evenly (rows only, no counts): 4·T·k·h·b·(ep-1)/ep. Wrong
     answers are recognised by the factor they are off by. None: not answered."""
     if yours is None:
-        print(f"{what}: not answered yet (replace None with your bytes)")
+        not_yet(f"{what}: not answered yet (replace None with your bytes)")
         return NOT_YET
     if not is_number(yours):
         raise ExerciseError(f"{what}: expected a number of bytes, got {yours!r}")

@@ -11,6 +11,7 @@ from labkit.conventions import MODEL_STATES  # ZeRO's model states (sec. 3.1)
 from labkit.checks.common import (
     NOT_WRITTEN,
     NOT_YET,
+    not_yet,
     PASSED,
     ExerciseError,
     call_answer,
@@ -61,8 +62,8 @@ def check_optimizer_bytes(cluster, make_optimizer, predicted) -> bool:
                             f", got {type(predicted).__name__}")
     empty = [c for c in MODEL_STATES if predicted.get(c) is None]
     if empty:
-        print(f"predicted: {', '.join(empty)} not filled in yet (replace None with "
-              "bytes per parameter), then run this cell again")
+        not_yet(f"predicted: {', '.join(empty)} not filled in yet (replace None "
+                "with bytes per parameter), then run this cell again")
         return NOT_YET
     for rank, r in enumerate(res):
         if "problem" in r:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from labkit.checks.common import (
     NOT_WRITTEN,
     NOT_YET,
+    not_yet,
     PASSED,
     ExerciseError,
     call_answer,
@@ -88,7 +89,7 @@ def check_placement(what: str, yours, predicted, want: Placement, measured: dict
             return NOT_YET
         yours, predicted = answer
     if yours is None:
-        print(f"{what}: not answered yet (replace None with your Placement)")
+        not_yet(f"{what}: not answered yet (replace None with your Placement)")
         return NOT_YET
     _compare_placement(what, yours, want)
     if predicted is not None and not isinstance(predicted, dict):

@@ -11,6 +11,7 @@ import copy
 
 from labkit.checks.common import (
     NOT_YET,
+    not_yet,
     PASSED,
     SHORT_TIMEOUT,
     ExerciseError,
@@ -300,7 +301,7 @@ def check_whole_over_half(what: str, t, *, heads: int, ffn: int, whole: float,
     attention heads (each rank computes whole heads) and the MLP's `ffn`
     features. None: not answered yet."""
     if t is None:
-        print(f"{what}: not answered yet (replace None with your t)")
+        not_yet(f"{what}: not answered yet (replace None with your t)")
         return NOT_YET
     if not is_number(t) or t < 1 or \
             not float(t).is_integer():      # 4, 4.0 and numpy's 4 are all 4

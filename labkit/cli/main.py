@@ -2,7 +2,7 @@
 roofline|expert |
 launch FILE.py:FN [ARG...] [--results DIR] | export NOTEBOOK --out FILE.py |
 results DIR... [--chart DIR] | images | clean-notebooks FILES... | student [--run] |
-footprint [--out FILE] (one module per command)."""
+nbgrader [CHAPTER...] | footprint [--out FILE] (one module per command)."""
 
 from __future__ import annotations
 
@@ -103,6 +103,12 @@ def _footprint(args) -> int:
     return footprint(args.out)
 
 
+def _nbgrader(args) -> int:
+    from labkit.cli.assignments import nbgrader_course
+
+    return nbgrader_course(args.out, chapters=args.chapters or None)
+
+
 def _student(args) -> int:
     from labkit.cli.student import student
 
@@ -155,6 +161,11 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--run", action="store_true",
                     help="then run each notebook up to its first exercise")
     st.set_defaults(func=_student)
+    ng = sub.add_parser("nbgrader", help="the chapters as nbgrader assignments "
+                        "(a course folder, default dist/nbgrader)")
+    ng.add_argument("chapters", nargs="*", help="chapter stems (default: all)")
+    ng.add_argument("--out", default=None, help="folder (default: dist/nbgrader)")
+    ng.set_defaults(func=_nbgrader)
     fp = sub.add_parser("footprint", help="what one student's kernel and 4-rank "
                         "cluster hold, chapter by chapter (for a class on one server)")
     fp.add_argument("--out", default=None, help="where to save the figures doctor "

@@ -10,7 +10,9 @@ The build refuses a notebook whose exercises break their layout: a cell tagged
 the solution in the next cell tagged `solution`, defining every function, class
 and variable the stub defines, then an untagged cell calling a `check_...`
 function of labkit.checks. So running the whole chapter (nbval) checks every
-solution, and the student edition keeps every stub and every check.
+solution, and the student edition keeps every stub and every check. An exercise
+cell's metadata "points" (a number > 0; 1 where absent) is what it is worth as
+an nbgrader assignment (assignments.py).
 """
 
 from __future__ import annotations
@@ -73,6 +75,11 @@ def layout_problems(nb: dict, name: str = "notebook") -> list[str]:
         if EXERCISE in t and SOLUTION in t:
             out.append(f"{name} cell {i}: tagged both `exercise` and `solution`")
         elif EXERCISE in t:
+            pts = c.get("metadata", {}).get("points", 1)
+            if isinstance(pts, bool) or not isinstance(pts, (int, float)) or pts <= 0:
+                out.append(f"{name} cell {i}: an exercise's points (metadata "
+                           f"\"points\", for nbgrader) must be a number > 0, "
+                           f"not {pts!r}")
             nxt = cells[i + 1] if i + 1 < len(cells) else None
             if nxt is None or SOLUTION not in tags(nxt):
                 out.append(f"{name} cell {i}: an `exercise` whose next cell is not "

@@ -1,0 +1,195 @@
+"""`make nbgrader`: every chapter as an nbgrader assignment, for a class that grades.
+
+dist/nbgrader/ is an nbgrader course folder: nbgrader_config.py, and
+source/NN_x/NN_x.ipynb (with the images it shows) for each chapter. Each
+exercise of a chapter (an `exercise` stub, its `solution`, the check cell after
+it; student.py's layout) becomes nbgrader's:
+
+- one answer cell ("Autograded answer"; a written answer is a "Manually graded
+  answer"): the stub, then the solution between `### BEGIN SOLUTION` and
+  `### END SOLUTION`. The config's stubs are empty, so `nbgrader
+  generate_assignment` releases exactly the stub that `make student` hands out;
+- the check cell as an "Autograded tests" cell, locked, worth the exercise's
+  points: a wrong answer makes labkit's check raise, and nbgrader gives a cell
+  that raised (or wrote to stderr) no points;
+- every other code cell read-only ("locked"): autograde runs the measurements
+  the checks compare against as the lecturer released them, whatever a student
+  changed in them;
+- a first code cell, read-only too, calling labkit.checks.graded(): a check
+  whose exercise is still its stub fails (no points), where the self-study
+  edition says "not written yet" and goes on.
+
+An exercise's points are the exercise cell's metadata "points" (1 where it has
+none). `make student` stays the self-study edition, with no nbgrader metadata.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+from pathlib import Path
+
+from labkit.cli.student import EXERCISE, ROOT, _cleared, layout_problems, source, tags
+
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+SCHEMA_VERSION = 3  # nbgrader 0.9's cell metadata schema
+_IMAGE = re.compile(r"""(?:\]\(\s*<?|src\s*=\s*["'])images/([^)"'>\s]+)""")
+
+CONFIG = '''\
+# nbgrader's settings for Parallelism Lab's chapters (written by `make nbgrader`).
+c = get_config()  # noqa: F821
+# A solution region is released as nothing: the exercise's stub stays above it,
+# the same stub `make student` hands out.
+c.ClearSolutions.code_stub = {"python": ""}
+c.ClearSolutions.text_stub = ""
+# Chapters start 4-rank clusters; their longest cells take tens of seconds on
+# 2 cores (`make test-notebooks` allows 120 s a cell).
+c.Execute.timeout = %(timeout)d
+'''
+
+
+def points(cell: dict) -> float:
+    """The points an exercise is worth: its cell's metadata "points", else 1
+    (layout_problems has refused anything but a number > 0)."""
+    return cell.get("metadata", {}).get("points", 1)
+
+
+def _nbgrader(cell: dict, grade_id: str, *, solution=False, grade=False, locked=False,
+              pts: float | None = None) -> dict:
+    meta = {"grade": grade, "grade_id": grade_id, "locked": locked,
+            "schema_version": SCHEMA_VERSION, "solution": solution}
+    if grade:
+        meta["points"] = pts
+    cell.setdefault("metadata", {})["nbgrader"] = meta
+    return cell
+
+
+GRADED = """\
+# Graded with nbgrader: from here on, a check whose exercise is still its stub
+# (or whose answer is still None) fails, and that exercise scores no points.
+from labkit.checks import graded
+
+graded()"""
+
+
+def _answer(stub: dict, solution: dict) -> dict:
+    """One cell: the stub, then the solution as nbgrader's solution region."""
+    cell = _cleared(stub)
+    body = source(_cleared(solution)).rstrip("\n")
+    cell["source"] = f"{source(cell).rstrip()}\n{BEGIN}\n{body}\n{END}"
+    cell["metadata"].pop("points", None)
+    return cell
+
+
+def assignment(nb: dict, name: str) -> dict:
+    """`nb` as an nbgrader source notebook (see the module's docstring).
+    ValueError naming each cell when `nb` breaks the exercise layout."""
+    problems = layout_problems(nb, name)
+    if problems:
+        raise ValueError("the exercise layout is broken:\n  " + "\n  ".join(problems))
+    cells, out, k, i = nb["cells"], [], 0, 0
+    while i < len(cells):
+        c = cells[i]
+        if EXERCISE in tags(c):
+            k += 1
+            pts, answer = points(c), _answer(c, cells[i + 1])
+            if answer["cell_type"] == "markdown":   # a written answer: graded by hand
+                out.append(_nbgrader(answer, f"exercise-{k}", solution=True,
+                                     grade=True, pts=pts))
+                i += 2
+                continue
+            out.append(_nbgrader(answer, f"exercise-{k}", solution=True))
+            out.append(_nbgrader(_cleared(cells[i + 2]), f"exercise-{k}-check",
+                                 grade=True, locked=True, pts=pts))
+            i += 3
+            continue
+        c = _cleared(c)
+        if c["cell_type"] == "code":
+            _nbgrader(c, f"cell-{i}", locked=True)
+        out.append(c)
+        i += 1
+    first_code = next(j for j, c in enumerate(out) if c["cell_type"] == "code")
+    out.insert(first_code, _nbgrader({"cell_type": "code", "execution_count": None,
+                                      "metadata": {}, "outputs": [], "source": GRADED},
+                                     "graded", locked=True))
+    book = copy.deepcopy({key: v for key, v in nb.items() if key != "cells"})
+    book.get("metadata", {}).pop("widgets", None)
+    book["cells"] = out
+    return book
+
+
+def total_points(nb: dict) -> tuple[float, float]:
+    """(autograded, graded by hand) points of an nbgrader source notebook."""
+    auto = manual = 0.0
+    for c in nb["cells"]:
+        g = c.get("metadata", {}).get("nbgrader", {})
+        if g.get("grade"):
+            if g.get("solution"):
+                manual += g["points"]
+            else:
+                auto += g["points"]
+    return auto, manual
+
+
+def build(out: Path = ROOT / "dist" / "nbgrader", notebooks: Path = ROOT / "notebooks",
+          images: Path = ROOT / "images", chapters: list[str] | None = None,
+          timeout: int = 300) -> list[Path]:
+    """Write the nbgrader course folder `out`: its nbgrader_config.py and
+    source/<chapter>/<chapter>.ipynb (with the images it links) for each chapter
+    that has exercises (only `chapters`, stems, when given). Returns the
+    notebooks written; ValueError, naming each cell, when one breaks the layout
+    (nothing is written)."""
+    paths = sorted(Path(notebooks).glob("*.ipynb"))
+    if chapters:
+        unknown = set(chapters) - {p.stem for p in paths}
+        if unknown:
+            raise ValueError(f"no such chapter: {sorted(unknown)} (the chapters are "
+                             f"{[p.stem for p in paths]})")
+        paths = [p for p in paths if p.stem in chapters]
+    books = {}
+    for p in paths:
+        nb = json.loads(p.read_text(encoding="utf-8"))
+        if any(EXERCISE in tags(c) for c in nb["cells"]):
+            books[p] = assignment(nb, p.name)
+    out = Path(out)
+    (out / "source").mkdir(parents=True, exist_ok=True)
+    (out / "nbgrader_config.py").write_text(CONFIG % {"timeout": timeout},
+                                            encoding="utf-8")
+    written = []
+    for p, book in books.items():
+        folder = out / "source" / p.stem
+        folder.mkdir(parents=True, exist_ok=True)
+        for c in book["cells"]:
+            if c["cell_type"] == "markdown":
+                for image in _IMAGE.findall(source(c)):
+                    (folder / "images").mkdir(exist_ok=True)
+                    shutil.copy2(Path(images) / image, folder / "images" / image)
+        dest = folder / p.name
+        dest.write_text(json.dumps(book, indent=1, ensure_ascii=False) + "\n",
+                        encoding="utf-8")
+        written.append(dest)
+    return written
+
+
+def nbgrader_course(out: str | Path | None = None,
+                    chapters: list[str] | None = None) -> int:
+    """The `nbgrader` command: build the course folder and say what it holds."""
+    out = Path(out) if out else ROOT / "dist" / "nbgrader"
+    try:
+        written = build(out=out, chapters=chapters)
+    except ValueError as e:
+        print(f"labkit nbgrader: {e}")
+        return 1
+    for path in written:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+        auto, manual = total_points(nb)
+        n = sum(c.get("metadata", {}).get("nbgrader", {}).get("solution", False)
+                for c in nb["cells"])
+        by_hand = f" + {manual:g} graded by hand" if manual else ""
+        print(f"wrote {path}: {n} exercise{'s' * (n != 1)}, {auto:g} points "
+              f"autograded{by_hand}")
+    print(f"then: cd {out} && nbgrader generate_assignment <chapter> "
+          "(nbgrader's own steps from there; README, For lecturers)")
+    return 0
