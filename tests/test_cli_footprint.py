@@ -151,6 +151,13 @@ def test_idle_timeout_gives_the_ranks_back_and_the_next_run_restarts_them(
     monkeypatch.delenv("LABKIT_IDLE_TIMEOUT")
     with labkit.Cluster(2, idle_timeout=None) as c:
         assert c.idle_timeout is None
+        with pytest.raises(ValueError, match="> 0 seconds"):
+            c.idle_timeout = -1
+        c.idle_timeout = 0.5  # on a running cluster: from the end of its next call
+        pids = list(c.pids.values())
+        c.run(lambda r, n: r)
+        assert not wait_gone(pids, 10.0), (
+            "ranks still running 10 s after idle_timeout = 0.5 was set and a call ran")
 
 
 def test_a_measured_kernel_holds_its_ranks_on_loopback_only():

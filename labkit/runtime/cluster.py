@@ -66,7 +66,7 @@ class Cluster:
         self.world_size = check_world_size(world_size)
         self.timeout = check_timeout(timeout)
         self.idle_timeout = idle_seconds(idle_timeout, _DEFAULT)
-        self._idle = IdleTimer(self, self.idle_timeout)
+        self._idle = IdleTimer(self)
         self.backend = resolve_backend(backend, self.world_size)
         self.threads = threads or max(1, (os.cpu_count() or 1) // self.world_size)
         self._closed = False
@@ -94,6 +94,16 @@ class Cluster:
             raise
 
     # -- public -------------------------------------------------------------
+
+    @property
+    def idle_timeout(self) -> float | None:
+        """Seconds idle before the ranks are stopped (None: never). Set on a
+        running cluster, it counts from the end of its next call."""
+        return self._idle_timeout
+
+    @idle_timeout.setter
+    def idle_timeout(self, seconds) -> None:
+        self._idle_timeout = check_timeout(seconds)
 
     @property
     def pids(self) -> dict[int, int]:

@@ -23,17 +23,20 @@ def idle_seconds(given, default) -> float | None:
 
 class IdleTimer:
     """One timer at a time per cluster: `arm` after each call, `disarm` before the
-    next. `fired` says the ranks were stopped for being idle."""
+    next; each arming reads the cluster's `idle_timeout`, so setting it on a
+    running cluster takes effect from its next call. `fired` says the ranks were
+    stopped for being idle."""
 
-    def __init__(self, cluster, seconds: float | None):
-        self.seconds, self._cluster = seconds, weakref.ref(cluster)
+    def __init__(self, cluster):
+        self._cluster = weakref.ref(cluster)
         self._armed, self._timer, self.fired = 0, None, False
 
     def arm(self) -> None:
         self.disarm()
         c = self._cluster()
-        if self.seconds and c is not None and c._pids and not c._closed:
-            self._timer = threading.Timer(self.seconds, self._fire, (self._armed,))
+        seconds = None if c is None else c.idle_timeout
+        if seconds and c._pids and not c._closed:
+            self._timer = threading.Timer(seconds, self._fire, (self._armed,))
             self._timer.daemon = True
             self._timer.start()
 
