@@ -205,7 +205,7 @@ def test_interrupt_stops_ranks_quickly_and_cluster_recovers():
 
 def test_ranks_live_in_their_own_session():
     with labkit.Cluster(2) as c:
-        for pid in [*c.pids.values(), forkserver().proc.pid]:
+        for pid in [*c.pids.values(), *forkserver().pids]:
             assert os.getsid(pid) != os.getsid(0)
             assert os.getpgid(pid) != os.getpgid(0)
 
@@ -347,7 +347,7 @@ def test_many_runs_leak_no_processes_threads_or_files():
     with labkit.Cluster(4) as c:
         for _ in range(10):
             c.run(_rank_and_size)
-        server = forkserver().proc.pid
+        server = forkserver().pid
         # steady state: a hand-over to a successor that imports what the layers
         # asked for (a process more) is not a leak
         assert forkserver().wait_preloaded(timeout=90)
@@ -392,23 +392,32 @@ def test_a_successor_forkserver_takes_over_with_more_imported():
     """Ranks of a cluster started before the hand-over import on first use; after
     it, new ranks come with the memory ledger and torch._dynamo already in. The
     ledger asks for itself (the runtime names no layer above it), and a module
-    asked for after the forkserver started reaches ranks too."""
+    asked for after the forkserver started reaches ranks too. The forkserver
+    that handed over stays while ranks it forked run, then exits."""
     import labkit.ledger  # noqa: F401  (asks the forkserver for itself)
     from labkit.runtime.forkserver import PRELOAD_WHEN_IDLE, preload_when_idle
 
     asked = (*PRELOAD_WHEN_IDLE, "labkit.ledger", "wave")
     with labkit.Cluster(2) as c:
         preload_when_idle("wave")  # the forkserver runs already: a message
-        first = forkserver().proc.pid
+        first = forkserver().pid
+        old_ranks = list(c.pids.values())
         # idle after serving: the forkserver forks a successor that imports more
         assert forkserver().wait_preloaded(timeout=90)
+        assert forkserver().pid != first, "the successor forks from now on"
+        time.sleep(0.5)
+        assert alive(first), "retired, but c's ranks are its children: it stays"
         c.restart()
         got = c.run(_preloaded_here, asked).values
         assert got == [dict.fromkeys(asked, True)] * 2, f"imported on the ranks: {got}"
         parents = {int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
                    for p in c.pids.values()}
-        assert len(parents) == 1 and parents != {first}  # forked by the successor
-        assert parents <= set(descendants_of(first))
+        assert parents == {forkserver().pid}, "forked by the successor"
+        assert not wait_gone(old_ranks, 10.0)
+        assert not wait_gone([first], 10.0), (
+            "the retired forkserver still runs 10 s after its last rank exited")
+        c.run(_rank_and_size)  # the kernel has taken in its exit
+        assert first not in forkserver().pids
 
 
 def test_an_optimizer_class_made_here_uses_the_ranks_hooks(cluster):

@@ -14,7 +14,7 @@ START = """
 import json, labkit
 from labkit.runtime.forkserver import shared
 c = labkit.Cluster(2)
-print(json.dumps(list(c.pids.values()) + [shared().proc.pid]))
+print(json.dumps(list(c.pids.values()) + shared().pids))  # every forkserver too
 """
 
 
@@ -27,7 +27,7 @@ def test_kernel_shutdown_through_nbclient_leaves_no_process():
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(START)])
     NotebookClient(nb, timeout=120, kernel_name="python3").execute()
     pids = _pids_from(nb.cells[0].outputs)
-    assert len(pids) == 3
+    assert len(pids) >= 3  # 2 ranks, the forkserver (and a successor, if it came)
     assert not wait_gone(pids, 5.0)
 
 

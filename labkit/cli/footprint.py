@@ -121,7 +121,12 @@ def roles(*clusters) -> str:
     """In the kernel: JSON {pid: role} of the kernel, its forkserver and ranks."""
     from labkit.runtime import forkserver
 
-    out = {os.getpid(): "kernel", forkserver.shared().proc.pid: "forkserver"}
+    fs = forkserver.shared()
+    now = fs.pids.index(fs.pid) if fs.pid in fs.pids else len(fs.pids)
+    out = {os.getpid(): "kernel"}
+    for i, pid in enumerate(fs.pids):  # in the order they started
+        out[pid] = ("forkserver" if i == now else "forkserver (successor)" if i > now
+                    else "forkserver (retired: until its ranks exit)")
     for c in clusters:
         out |= {pid: f"rank {r} of {c.world_size}" for r, pid in c.pids.items()}
     return json.dumps(out)
@@ -336,12 +341,12 @@ def load_figures() -> tuple[dict, str]:
 # written by `python -m labkit footprint` (its saved "summary"); doctor uses it
 # until the machine it runs on has measured its own
 RECORDED: dict = {
-    "per_student_bytes": 851161088,
-    "per_student_4_ranks_bytes": 851161088,
-    "idle_stopped_bytes": 454901760,
-    "shared_files_bytes": 83795968,
-    "busy_cores": 1.599,
-    "idle_cores": 0.022,
+    "per_student_bytes": 796921856,
+    "per_student_4_ranks_bytes": 796921856,
+    "idle_stopped_bytes": 395935744,
+    "shared_files_bytes": 83701760,
+    "busy_cores": 1.902,
+    "idle_cores": 0.014,
     "cores": 2,
     "measured": "2026-11-26",
     "machine": "2 cores, 24 GiB",

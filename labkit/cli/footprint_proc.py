@@ -169,12 +169,18 @@ def measure(pid: int, role: str, table: dict[int, tuple[str, str]]) -> Proc | No
 
 
 def measure_tree(root: int, roles: dict[int, str]) -> list[Proc]:
-    """The kernel `root` and every process below it; `roles` names known pids,
-    the rest are named by their parent's role."""
+    """The kernel `root` and every process below it, and below each pid `roles`
+    names (a forkserver that took over from the one before it has left the
+    kernel's tree: its parent exited); `roles` names known pids, the rest are
+    named by their parent's role."""
     parent_of = parents()
     table = tcp_table(root)
     out, named = [], dict(roles)
-    for pid in tree(root, parent_of):
+    pids = tree(root, parent_of)
+    for other in roles:
+        if other not in pids and other in parent_of:
+            pids += [p for p in tree(other, parent_of) if p not in pids]
+    for pid in pids:
         if pid not in named:
             up = named.get(parent_of.get(pid), "process")
             named[pid] = "forkserver (successor)" if up.startswith("forkserver") \

@@ -14,7 +14,10 @@ The forkserver never imports them itself, since it could not fork while
 importing: once idle (1 s after serving a cluster, 3 s if none came), it forks a
 successor that imports them and then takes over the forking, while the first
 keeps serving until the successor is ready (so a restart after a fault never
-waits for an import).
+waits for an import). Then the kernel retires the first (Retire): it exits once
+the ranks it forked have (it would otherwise hold its memory, about 100 MiB, for
+as long as the kernel runs). Its successor, orphaned, is the forkserver from
+then on; `pids` names every forkserver process still running.
 
 This module is the kernel's side: `Forkserver` is its handle on the process
 (forkserver_process.py), `shared()` the one per kernel.
@@ -37,6 +40,7 @@ from labkit.runtime.messages import (
     ForkserverReady,
     RankExited,
     Preload,
+    Retire,
     Spawn,
     Spawned,
     Successor,
@@ -92,7 +96,11 @@ class Forkserver:
         os.close(lifeline_r)
         theirs.close()
         self.sock = mine  # the one that forks: the first, then its successor
+        self._first = mine
+        self.pid = self.proc.pid  # of the process that forks
+        self.pids = [self.proc.pid]  # every forkserver process not yet seen to exit
         self._socks = [mine]  # all, for the exit reports of the ranks each forked
+        self._pid_of = {mine: self.proc.pid}
         self._ready: set[socket.socket] = set()
         self._successor: socket.socket | None = None
         self.exits: dict[int, str] = {}
@@ -102,29 +110,45 @@ class Forkserver:
         wire.send(mine, Preload(tuple(_WANTED)))
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        """Whether the process that forks (the first, or the successor that took
+        over from it) is still running."""
+        if self.sock is self._first:
+            return self.proc.poll() is None
+        self.poll()  # a successor's exit is the end of its connection
+        return self.sock in self._socks
 
     def _take(self, sock: socket.socket):
         """Read one message from `sock` and act on it; None on EOF."""
         msg = wire.recv(sock)
-        if msg is None:
+        if msg is None:  # that process has exited
             if sock in self._socks:
                 self._socks.remove(sock)
             if sock is self._successor:
                 self._successor = None
+            if sock is self._first:
+                self.proc.poll()  # reap it
+            if self._pid_of.get(sock) in self.pids:
+                self.pids.remove(self._pid_of[sock])
             return None
         if isinstance(msg, RankExited):
             self.exits[msg.pid] = msg.how
         elif isinstance(msg, ForkserverReady):
             self._ready.add(sock)
             if sock is self._successor:  # it has imported more: it forks from now
-                self.sock, self._successor = sock, None
+                old, self.sock, self._successor = self.sock, sock, None
+                self.pid = self._pid_of[sock]
+                try:
+                    wire.send(old, Retire())
+                except OSError:
+                    pass  # gone already
             if sock is self.sock:
                 self.preloaded = msg.preloaded
         elif isinstance(msg, Successor):
             _, fds, _, _ = socket.recv_fds(sock, 1, 1)
             self._successor = socket.socket(fileno=fds[0])
             self._socks.append(self._successor)
+            self._pid_of[self._successor] = msg.pid
+            self.pids.append(msg.pid)
             # what was asked for after it was forked, it has not heard of
             wire.send(self._successor, Preload(tuple(_WANTED)))
         return msg
@@ -153,7 +177,8 @@ class Forkserver:
     def _died(self) -> str:
         self.log.seek(0)
         tail = self.log.read().decode(errors="replace")[-4000:]
-        return f"labkit's rank forkserver exited ({self.proc.returncode}); its log:\n" \
+        how = f" ({self.proc.returncode})" if self.sock is self._first else ""
+        return f"labkit's rank forkserver (pid {self.pid}) exited{how}; its log:\n" \
                f"{tail}"
 
     def spawn(self, specs, deadline: float) -> tuple[int, ...]:

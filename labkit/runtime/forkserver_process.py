@@ -1,6 +1,8 @@
 """The forkserver process (forkserver.py is the kernel's handle on it): import
 torch, say ready, fork a rank per request and report how each ended; hand over to
-a successor that has imported what was asked for (Preload) once idle."""
+a successor that has imported what was asked for (Preload) once idle, and exit
+once the kernel says the successor forks (Retire) and the ranks it forked have
+exited."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from labkit.runtime.messages import (
     ForkserverReady,
     Preload,
     RankExited,
+    Retire,
     Spawn,
     Spawned,
     Successor,
@@ -45,14 +48,18 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...]):
     """Serve `ctrl` until the kernel is gone. `wanted`: modules asked for so far
     (Preload); once idle with some not imported, hand over to a successor that
     imports them (once: a forkserver that handed over only serves until its
-    successor is ready)."""
+    successor is ready). Returns, to exit, when the kernel is gone, or once
+    retired (Retire) with no rank of its own left."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select via wake_w
     wire.send(ctrl, ForkserverReady(os.getpid(), _imported(wanted)))
-    served = handed_over = False
+    served = handed_over = retired = False
+    ranks: set[int] = set()  # forked here and not yet reaped
     while True:
+        if retired and not ranks:
+            return
         missing = () if handed_over else tuple(
             m for m in wanted if m not in sys.modules)
         idle = None
@@ -67,12 +74,14 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...]):
             return
         if wake_r in ready:
             os.read(wake_r, 4096)
-            _reap(ctrl)
+            ranks -= _reap(ctrl)
         if ctrl in ready:
             msg = wire.recv(ctrl)
             if msg is None:
                 return
-            if isinstance(msg, Preload):
+            if isinstance(msg, Retire):
+                retired = True
+            elif isinstance(msg, Preload):
                 wanted = tuple(dict.fromkeys((*wanted, *msg.names)))
                 if not handed_over and set(wanted) <= sys.modules.keys():
                     # imported already (by torch, say): no successor; say so
@@ -82,6 +91,7 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...]):
                 sys.stderr.flush()
                 keep = (ctrl.fileno(), wake_r, wake_w)
                 pids = tuple(_fork_rank(spec, keep, gone) for spec in msg.specs)
+                ranks.update(pids)
                 wire.send(ctrl, Spawned(pids))
                 served = True
 
@@ -109,14 +119,17 @@ def _imported(wanted) -> tuple[str, ...]:
     return tuple(m for m in wanted if m in sys.modules)
 
 
-def _reap(ctrl: socket.socket) -> None:
+def _reap(ctrl: socket.socket) -> set[int]:
+    """Wait for every child that has exited, report each; their pids."""
+    gone = set()
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return gone
         if pid == 0:
-            return
+            return gone
+        gone.add(pid)
         wire.send(ctrl, RankExited(pid, describe_status(status)))
 
 

@@ -1,6 +1,6 @@
 """Every message between the kernel, the forkserver and the ranks: one class each.
 
-    kernel -> forkserver   Spawn
+    kernel -> forkserver   Spawn, Preload, Retire
     forkserver -> kernel   ForkserverReady, Spawned, RankExited, Successor
     rank -> kernel         Hello (first, on each of its two connections), then on
                            the main one Joined or JoinFailed, Progress while a call
@@ -82,6 +82,12 @@ class Successor:
     on that connection when it can take over."""
 
     pid: int
+
+
+@dataclass(frozen=True)
+class Retire:
+    """Kernel -> a forkserver that handed over: its successor forks from now on.
+    It exits once every rank it forked has exited (and it has reported each)."""
 
 
 # -- rank -> kernel, main connection -----------------------------------------
