@@ -203,6 +203,31 @@ def test_interrupt_stops_ranks_quickly_and_cluster_recovers():
         assert c.run(_rank_and_size).values == [(r, 4) for r in range(4)]
 
 
+def _threads(rank, world_size):
+    return torch.get_num_threads()
+
+
+def test_threads_per_rank_come_from_the_argument_the_server_or_the_cores(monkeypatch):
+    from labkit.runtime.backend import rank_threads
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LABKIT_THREADS", raising=False)
+    assert rank_threads(None, 4) == max(1, cores // 4)
+    assert rank_threads(3, 4) == 3
+    monkeypatch.setenv("LABKIT_THREADS", "1")  # a lecturer's server-wide setting
+    assert rank_threads(None, 4) == 1 and rank_threads(2, 4) == 2
+    for bad in ("two", "0"):
+        monkeypatch.setenv("LABKIT_THREADS", bad)
+        with pytest.raises(ValueError, match="LABKIT_THREADS"):
+            rank_threads(None, 4)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="threads must be"):
+            rank_threads(bad, 4)
+    monkeypatch.setenv("LABKIT_THREADS", "1")
+    with labkit.Cluster(2, threads=None) as c:
+        assert c.threads == 1 and c.run(_threads).values == [1, 1]
+
+
 def test_ranks_live_in_their_own_session():
     with labkit.Cluster(2) as c:
         for pid in [*c.pids.values(), *forkserver().pids]:

@@ -3,6 +3,7 @@ the TCPStore its ranks meet at, and the checks on what a student passes in."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -75,6 +76,29 @@ def check_world_size(world_size) -> int:
         raise ValueError(f"world_size must be between 1 and {MAX_WORLD_SIZE}, "
                          f"got {world_size}")
     return world_size
+
+
+THREADS_ENV = "LABKIT_THREADS"  # torch threads per rank, for a whole server
+
+
+def rank_threads(given, world_size: int) -> int:
+    """Torch threads per rank: `given`, else $LABKIT_THREADS, else the cores this
+    process may run on (its CPU affinity) shared among the ranks, at least 1."""
+    where = "threads"
+    if given is None and os.environ.get(THREADS_ENV):
+        given, where = os.environ[THREADS_ENV], f"${THREADS_ENV}"
+        try:
+            given = int(given)
+        except ValueError:
+            raise ValueError(f"{where} must be a whole number >= 1, got {given!r}") \
+                from None
+    if given is None:
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+        return max(1, cores // world_size)
+    if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+        raise ValueError(f"{where} must be a whole number >= 1, got {given!r}")
+    return given
 
 
 def check_timeout(timeout) -> float | None:

@@ -32,6 +32,7 @@ from labkit.runtime.backend import (
     check_timeout,
     check_world_size,
     make_store,
+    rank_threads,
     resolve_backend,
 )
 from labkit.runtime.call import CallInFlight, RankLinks, pack_call
@@ -54,10 +55,11 @@ class Cluster:
     backend: "auto" (NCCL when there is one GPU per rank, else gloo on CPU),
     "gloo" or "nccl". timeout: seconds a `run` may take before the busy ranks are
     reported and stopped (None: no limit). threads: torch threads per rank
-    (default: cores // world_size, at least 1). idle_timeout: seconds after the
-    last call (or the start) when the ranks are stopped, to give their memory
-    back; the next `run` starts them again, without the variables earlier
-    %%ranks cells left on them (default: $LABKIT_IDLE_TIMEOUT, else None: never).
+    (default: $LABKIT_THREADS, else cores // world_size, at least 1).
+    idle_timeout: seconds after the last call (or the start) when the ranks are
+    stopped, to give their memory back; the next `run` starts them again,
+    without the variables earlier %%ranks cells left on them (default:
+    $LABKIT_IDLE_TIMEOUT, else None: never).
     """
 
     def __init__(self, world_size: int = 4, backend: str = "auto",
@@ -68,7 +70,7 @@ class Cluster:
         self.idle_timeout = idle_seconds(idle_timeout, _DEFAULT)
         self._idle = IdleTimer(self)
         self.backend = resolve_backend(backend, self.world_size)
-        self.threads = threads or max(1, (os.cpu_count() or 1) // self.world_size)
+        self.threads = rank_threads(threads, self.world_size)
         self._closed = False
         self._lock = threading.RLock()
         self._gen = 0
