@@ -36,6 +36,9 @@ def test_chapters_are_slides_too(path):
     marks = [c["metadata"].get("slideshow", {}).get("slide_type") for c in cells]
     assert marks == [slide_type(c) for c in cells], "run `make clean-notebooks`"
     assert marks[0] == "slide" and marks.count("slide") >= 4
+    # RISE (live slides): a slide taller than the window scrolls, as make slides'
+    rise = json.loads(path.read_text())["metadata"].get("rise", {})
+    assert rise.get("scroll") is True, "run `make clean-notebooks`"
 
 
 def test_clean_strips_outputs_and_counts(tmp_path):

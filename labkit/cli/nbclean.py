@@ -44,12 +44,16 @@ def slide_type(cell: dict) -> str:
 
 
 def mark_slides(path: str | Path) -> bool:
-    """Set every cell's slideshow metadata in place; True if the file changed."""
+    """Set every cell's slideshow metadata in place, and RISE's `scroll` (a slide
+    taller than the window scrolls, as `make slides`' reveal_scroll makes it);
+    True if the file changed."""
     path = Path(path)
     text = path.read_text(encoding="utf-8")
     nb = json.loads(text)
     for c in nb.get("cells", []):
         c.setdefault("metadata", {})["slideshow"] = {"slide_type": slide_type(c)}
+    meta = nb.setdefault("metadata", {})
+    meta["rise"] = {**meta.get("rise", {}), "scroll": True}
     new = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
     if new != text:
         path.write_text(new, encoding="utf-8")

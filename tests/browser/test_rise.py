@@ -215,3 +215,40 @@ def test_a_widget_renders_in_the_slideshow(lab, browser, shots):
     finally:
         page.close()
         lab.shut_down_kernels()
+
+
+LONG = "notebooks/05_data_parallel.ipynb"  # its title slide is taller than the window
+
+
+def test_a_slide_taller_than_the_window_scrolls_to_its_end(lab, browser, shots):
+    """The chapters' metadata sets RISE's scroll (as `make slides` sets reveal's):
+    the end of a long slide, here the last line of chapter 05's contents, can be
+    scrolled into view; without it, it is cut off, out of reach."""
+    nb = json.loads((ROOT / LONG).read_text(encoding="utf-8"))
+    last = source(nb["cells"][0]).strip().splitlines()[-1].strip()
+    page = new_page(browser)
+    offline(page)
+    try:
+        frame = start_slideshow(page, lab, LONG)
+        title = first_line(nb["cells"][0])
+        wait(f"the slideshow to start at '{title}'", STEP_SECONDS,
+             lambda: shows(frame, title))
+        slide = present(frame)
+        tall, window, overflow = slide.evaluate(
+            "e => [e.scrollHeight, innerHeight, getComputedStyle(e).overflowY]")
+        assert tall > window, f"the title slide ({tall} px) fits {window} px: no test"
+        assert overflow == "scroll", (
+            f"a {tall} px slide in a {window} px window has overflow-y {overflow!r}: "
+            "RISE did not take the notebook's rise.scroll, its end is out of reach")
+        slide.evaluate("e => { e.scrollTop = e.scrollHeight; }")
+        end = slide.get_by_text(last, exact=False).last
+        box, shown = end.bounding_box(), slide.bounding_box()  # page coordinates
+        page.screenshot(path=str(shots / "rise-long-slide-scrolled.png"))
+        assert box is not None and (box["y"] + box["height"]
+                                    <= shown["y"] + shown["height"] + 1), (
+            f"scrolled to its end, the slide's last line ({last!r}) is at {box}; "
+            f"the slide shows {shown}")
+    finally:
+        page.close()
+        lab.shut_down_kernels()
+
