@@ -42,6 +42,11 @@ def serve(ctrl_fd: int, lifeline_fd: int, kernel_pid: int) -> None:
     if os.getppid() != kernel_pid:  # the kernel died while we imported torch
         return
     _loop(socket.socket(fileno=ctrl_fd), gone, wanted=())
+    # gone or retired: exit now, without tearing torch down (seconds of a process
+    # that holds nothing anyone needs), as a successor does
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...]):
