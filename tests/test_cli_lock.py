@@ -32,3 +32,19 @@ def test_diff_names_what_changed_since_the_lock(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "numpy 1.0.0 -> 2.4.6" in out and "tqdm 4.70.1 (not in the lock)" in out
     assert "old-name" not in out
+
+
+def test_installed_is_what_an_import_finds_not_a_vendored_copy():
+    # setuptools, once imported (nbgrader imports it), appends setuptools/_vendor
+    # to sys.path, with its own older zipp, packaging, platformdirs and
+    # importlib_metadata: the copies an import finds come first
+    import importlib.metadata as md
+
+    import setuptools  # noqa: F401
+
+    have = lock.installed()
+    for name in ("zipp", "packaging", "platformdirs", "importlib-metadata"):
+        if name in have:
+            assert have[name] == md.version(name).split("+")[0], (
+                f"{name}: installed() says {have[name]}, an import finds "
+                f"{md.version(name)}")

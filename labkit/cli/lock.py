@@ -29,12 +29,14 @@ def _norm(name: str) -> str:
 
 
 def installed() -> dict[str, str]:
-    """Normalised name -> version of every distribution in this environment, a
-    local version label (torch's '+cpu') dropped."""
+    """Normalised name -> version of every distribution in this environment (the
+    one an import finds, where sys.path holds two), a local version label
+    (torch's '+cpu') dropped."""
     out = {}
-    for dist in md.distributions():
+    for dist in md.distributions():  # in sys.path's order: the first is imported
         name = dist.metadata["Name"]
-        if name and _norm(name) not in SKIP:
+        if name and _norm(name) not in SKIP and _norm(name) not in out:
+            # (setuptools, once imported, appends its _vendor/ copies to sys.path)
             out[_norm(name)] = dist.version.split("+", 1)[0]
     return out
 
