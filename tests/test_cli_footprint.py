@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from labkit.cli import class_size as cs
 from labkit.cli import footprint as fp
 from labkit.cli import footprint_proc as pr
 from tests.conftest import wait_gone
@@ -111,24 +112,24 @@ def test_class_size_is_memory_less_the_libraries_over_the_per_student_figure():
     fig = {"per_student_bytes": 800 * MIB, "idle_stopped_bytes": 400 * MIB,
            "shared_files_bytes": 100 * MIB}
     # 64 GiB: (65536 - 100) MiB // 800 MiB = 81; // 400 MiB = 163; 16 cores // 4
-    assert fp.class_size(64 * 2**30, 16, fig) == {
+    assert cs.class_size(64 * 2**30, 16, fig) == {
         "by_memory": 81, "idle_stopped": 163, "running_at_once": 4}
-    assert fp.class_size(50 * MIB, 2, fig) == {
+    assert cs.class_size(50 * MIB, 2, fig) == {
         "by_memory": 0, "idle_stopped": 0, "running_at_once": 0}
-    lines = fp.class_lines(64 * 2**30, 16, fig, "a test")
+    lines = cs.class_lines(64 * 2**30, 16, fig, "a test")
     assert lines[0].startswith("81 students") and lines[-1] == "figures: a test"
-    assert fp._meminfo("MemTotal:  2048 kB\nMemAvailable: 1024 kB\nHuge: 0\n") == \
+    assert cs.meminfo("MemTotal:  2048 kB\nMemAvailable: 1024 kB\nHuge: 0\n") == \
         {"MemTotal": 2 * MIB, "MemAvailable": MIB}
 
 
 def test_doctor_prefers_this_machines_measurement(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    fig, source = fp.load_figures()
-    assert fig is fp.RECORDED and "recorded with labkit" in source
-    saved = fp.saved_path()
+    fig, source = cs.load_figures()
+    assert fig is cs.RECORDED and "recorded with labkit" in source
+    saved = cs.saved_path()
     saved.parent.mkdir(parents=True)
     saved.write_text(json.dumps({"summary": {"per_student_bytes": 1}, "stages": []}))
-    assert fp.load_figures() == ({"per_student_bytes": 1}, str(saved))
+    assert cs.load_figures() == ({"per_student_bytes": 1}, str(saved))
 
 
 def test_idle_timeout_gives_the_ranks_back_and_the_next_run_restarts_them(

@@ -48,10 +48,10 @@ def doctor() -> int:
 
 def _class_size() -> list[str]:
     """How many students this machine holds, from the footprint figures."""
-    from labkit.cli.footprint import _meminfo, class_lines, load_figures
+    from labkit.cli.class_size import class_lines, load_figures, meminfo
 
     try:
-        available = _meminfo()["MemAvailable"]
+        available = meminfo()["MemAvailable"]
     except (OSError, KeyError):
         return ["unknown (no /proc/meminfo: Linux only)"]
     fig, source = load_figures()

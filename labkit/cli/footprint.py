@@ -6,7 +6,7 @@ typical work (rank functions below, the chapters' own models and wrappers) it
 reads every process under the kernel from /proc (footprint_proc.py): memory,
 threads, CPU seconds, TCP sockets. It prints one table per stage, the total per
 student, and saves the figures (`saved_path()`) for `python -m labkit doctor`,
-which turns them into a class size for the machine it runs on (`class_size`).
+which turns them into a class size for the machine it runs on (class_size.py).
 
 Per student, memory is counted as what no other student's processes share:
 Pss minus Pss_File, the anonymous pages of the kernel, the forkserver and the
@@ -25,7 +25,8 @@ from dataclasses import asdict
 from datetime import date
 from pathlib import Path
 
-MIB = 2**20
+from labkit.cli.class_size import meminfo, mib, saved_path
+
 IDLE_S = 3.0  # the idle timeout the "left idle" stage sets, in seconds
 
 
@@ -228,53 +229,11 @@ def summary(stages: list[dict]) -> dict:
                           if "idle for" in s["stage"]),
         "cores": os.cpu_count() or 1,
         "measured": date.today().isoformat(),
-        "machine": f"{os.cpu_count()} cores, {_meminfo()['MemTotal'] / 2**30:.0f} GiB",
+        "machine": f"{os.cpu_count()} cores, {meminfo()['MemTotal'] / 2**30:.0f} GiB",
     }
 
 
-def _meminfo(text: str | None = None) -> dict[str, int]:
-    """/proc/meminfo in bytes."""
-    text = Path("/proc/meminfo").read_text() if text is None else text
-    return {ln.split(":")[0]: int(ln.split()[1]) * 1024
-            for ln in text.splitlines() if ln.endswith(" kB")}
-
-
-def class_size(mem_bytes: int, cores: int, fig: dict, world_size: int = 4) -> dict:
-    """Students a machine holds: by memory, each a kernel with its cluster open
-    at its heaviest chapter (the shared files once); by cores, how many can run
-    a step at the same moment with a core for each of their ranks."""
-    room = max(0, mem_bytes - fig["shared_files_bytes"])
-    return {"by_memory": int(room // fig["per_student_bytes"]),
-            "idle_stopped": int(room // fig["idle_stopped_bytes"]),
-            "running_at_once": cores // world_size}
-
-
-def class_lines(mem_bytes: int, cores: int, fig: dict, source: str) -> list[str]:
-    """What doctor prints: the class size and the figures it came from."""
-    n = class_size(mem_bytes, cores, fig)
-    return [f"{n['by_memory']} students with a 4-rank cluster each, by memory "
-            f"({mem_bytes / 2**30:.1f} GiB available)",
-            f"up to {n['idle_stopped']} while LABKIT_IDLE_TIMEOUT has stopped "
-            "their ranks",
-            (f"{n['running_at_once']} can run a step at once with a core per rank "
-             f"({cores} cores)" if n["running_at_once"] else
-             f"a 4-rank step has fewer cores than ranks here ({cores}): they share"),
-            f"per student: {_mib(fig['per_student_bytes'])} MiB at the heaviest "
-            f"chapter, {_mib(fig['idle_stopped_bytes'])} MiB with its ranks stopped;",
-            f"{_mib(fig['shared_files_bytes'])} MiB of libraries once per machine",
-            f"figures: {source}"]
-
-
-def saved_path() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(cache) / "labkit" / "footprint.json"
-
-
 # -- the report ---------------------------------------------------------------------
-
-
-def _mib(n: int) -> str:
-    return f"{n / MIB:,.0f}"
 
 
 def stage_table(s: dict) -> str:
@@ -285,15 +244,15 @@ def stage_table(s: dict) -> str:
             head]
     for p in s["procs"]:
         tcp = ", ".join(p["listening"]) or "-"
-        rows.append(f"{p['role']:<24}{p['pid']:>8}{_mib(p['rss']):>7}"
-                    f"{_mib(p['pss']):>7}{_mib(p['pss'] - p['pss_file']):>7}"
-                    f"{_mib(p['uss']):>7}{p['threads']:>5}  {tcp} "
+        rows.append(f"{p['role']:<24}{p['pid']:>8}{mib(p['rss']):>7}"
+                    f"{mib(p['pss']):>7}{mib(p['pss'] - p['pss_file']):>7}"
+                    f"{mib(p['uss']):>7}{p['threads']:>5}  {tcp} "
                     f"({p['connections']})")
     t = {k: sum(p[k] for p in s["procs"]) for k in ("rss", "pss", "pss_file", "uss",
                                                     "threads", "connections")}
-    rows.append(f"{'total':<24}{len(s['procs']):>8}{_mib(t['rss']):>7}"
-                f"{_mib(t['pss']):>7}{_mib(t['pss'] - t['pss_file']):>7}"
-                f"{_mib(t['uss']):>7}{t['threads']:>5}  ({t['connections']})")
+    rows.append(f"{'total':<24}{len(s['procs']):>8}{mib(t['rss']):>7}"
+                f"{mib(t['pss']):>7}{mib(t['pss'] - t['pss_file']):>7}"
+                f"{mib(t['uss']):>7}{t['threads']:>5}  ({t['connections']})")
     return "\n".join(rows)
 
 
@@ -311,9 +270,9 @@ def footprint(out: str | None = None) -> int:
     for s in stages:
         print(stage_table(s), end="\n\n")
     fig = summary(stages)
-    print(f"per student  {_mib(fig['per_student_bytes'])} MiB at the heaviest stage, "
-          f"{_mib(fig['per_student_4_ranks_bytes'])} MiB with 4 ranks (anonymous "
-          f"PSS), plus {_mib(fig['shared_files_bytes'])} MiB of library files once "
+    print(f"per student  {mib(fig['per_student_bytes'])} MiB at the heaviest stage, "
+          f"{mib(fig['per_student_4_ranks_bytes'])} MiB with 4 ranks (anonymous "
+          f"PSS), plus {mib(fig['shared_files_bytes'])} MiB of library files once "
           "per machine")
     print(f"cores        a step kept {fig['busy_cores']:.1f} of {fig['cores']} cores "
           f"busy; an idle cluster {fig['idle_cores']:.3f}")
@@ -325,29 +284,3 @@ def footprint(out: str | None = None) -> int:
     path.write_text(json.dumps({"summary": fig, "stages": stages}, indent=1))
     print(f"saved        {path} (python -m labkit doctor reads it)")
     return 1 if bad else 0
-
-
-def load_figures() -> tuple[dict, str]:
-    """(summary, where it came from): this machine's saved measurement, else the
-    one recorded with labkit (RECORDED)."""
-    path = saved_path()
-    try:
-        return json.loads(path.read_text())["summary"], str(path)
-    except (OSError, ValueError, KeyError):
-        return RECORDED, f"recorded with labkit ({RECORDED['machine']}, " \
-            f"{RECORDED['measured']}); `python -m labkit footprint` measures here"
-
-
-# written by `python -m labkit footprint` (its saved "summary"); doctor uses it
-# until the machine it runs on has measured its own
-RECORDED: dict = {
-    "per_student_bytes": 796921856,
-    "per_student_4_ranks_bytes": 796921856,
-    "idle_stopped_bytes": 395935744,
-    "shared_files_bytes": 83701760,
-    "busy_cores": 1.902,
-    "idle_cores": 0.014,
-    "cores": 2,
-    "measured": "2026-11-26",
-    "machine": "2 cores, 24 GiB",
-}
