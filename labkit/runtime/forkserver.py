@@ -97,8 +97,6 @@ class Forkserver:
         theirs.close()
         self.sock = mine  # the one that forks: the first, then its successor
         self._first = mine
-        self.pid = self.proc.pid  # of the process that forks
-        self.pids = [self.proc.pid]  # every forkserver process not yet seen to exit
         self._socks = [mine]  # all, for the exit reports of the ranks each forked
         self._pid_of = {mine: self.proc.pid}
         self._ready: set[socket.socket] = set()
@@ -108,6 +106,16 @@ class Forkserver:
         self.lock = threading.RLock()
         # read once torch is imported there; successors get it again (_take)
         wire.send(mine, Preload(tuple(_WANTED)))
+
+    @property
+    def pid(self) -> int:
+        """The process that forks: the first, or the successor that took over."""
+        return self._pid_of[self.sock]
+
+    @property
+    def pids(self) -> list[int]:
+        """Every forkserver process whose connection is still open, oldest first."""
+        return [self._pid_of[s] for s in self._socks]
 
     def alive(self) -> bool:
         """Whether the process that forks (the first, or the successor that took
@@ -127,8 +135,6 @@ class Forkserver:
                 self._successor = None
             if sock is self._first:
                 self.proc.poll()  # reap it
-            if self._pid_of.get(sock) in self.pids:
-                self.pids.remove(self._pid_of[sock])
             return None
         if isinstance(msg, RankExited):
             self.exits[msg.pid] = msg.how
@@ -136,7 +142,6 @@ class Forkserver:
             self._ready.add(sock)
             if sock is self._successor:  # it has imported more: it forks from now
                 old, self.sock, self._successor = self.sock, sock, None
-                self.pid = self._pid_of[sock]
                 try:
                     wire.send(old, Retire())
                 except OSError:
@@ -148,7 +153,6 @@ class Forkserver:
             self._successor = socket.socket(fileno=fds[0])
             self._socks.append(self._successor)
             self._pid_of[self._successor] = msg.pid
-            self.pids.append(msg.pid)
             # what was asked for after it was forked, it has not heard of
             wire.send(self._successor, Preload(tuple(_WANTED)))
         return msg
