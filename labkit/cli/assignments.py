@@ -25,13 +25,21 @@ none). `make student` stays the self-study edition, with no nbgrader metadata.
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import shutil
 from pathlib import Path
 
-from labkit.cli.student import EXERCISE, ROOT, _cleared, layout_problems, source, tags
+from labkit.cli.student import (
+    EXERCISE,
+    ROOT,
+    cleared,
+    layout_problems,
+    points,
+    source,
+    tags,
+    with_cells,
+)
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 SCHEMA_VERSION = 3  # nbgrader 0.9's cell metadata schema
@@ -48,12 +56,6 @@ c.ClearSolutions.text_stub = ""
 # 2 cores (`make test-notebooks` allows 120 s a cell).
 c.Execute.timeout = %(timeout)d
 '''
-
-
-def points(cell: dict) -> float:
-    """The points an exercise is worth: its cell's metadata "points", else 1
-    (layout_problems has refused anything but a number > 0)."""
-    return cell.get("metadata", {}).get("points", 1)
 
 
 def _nbgrader(cell: dict, grade_id: str, *, solution=False, grade=False, locked=False,
@@ -76,8 +78,8 @@ graded()"""
 
 def _answer(stub: dict, solution: dict) -> dict:
     """One cell: the stub, then the solution as nbgrader's solution region."""
-    cell = _cleared(stub)
-    body = source(_cleared(solution)).rstrip("\n")
+    cell = cleared(stub)
+    body = source(cleared(solution)).rstrip("\n")
     cell["source"] = f"{source(cell).rstrip()}\n{BEGIN}\n{body}\n{END}"
     cell["metadata"].pop("points", None)
     return cell
@@ -101,11 +103,11 @@ def assignment(nb: dict, name: str) -> dict:
                 i += 2
                 continue
             out.append(_nbgrader(answer, f"exercise-{k}", solution=True))
-            out.append(_nbgrader(_cleared(cells[i + 2]), f"exercise-{k}-check",
+            out.append(_nbgrader(cleared(cells[i + 2]), f"exercise-{k}-check",
                                  grade=True, locked=True, pts=pts))
             i += 3
             continue
-        c = _cleared(c)
+        c = cleared(c)
         if c["cell_type"] == "code":
             _nbgrader(c, f"cell-{i}", locked=True)
         out.append(c)
@@ -114,10 +116,7 @@ def assignment(nb: dict, name: str) -> dict:
     out.insert(first_code, _nbgrader({"cell_type": "code", "execution_count": None,
                                       "metadata": {}, "outputs": [], "source": GRADED},
                                      "graded", locked=True))
-    book = copy.deepcopy({key: v for key, v in nb.items() if key != "cells"})
-    book.get("metadata", {}).pop("widgets", None)
-    book["cells"] = out
-    return book
+    return with_cells(nb, out)
 
 
 def total_points(nb: dict) -> tuple[float, float]:

@@ -30,6 +30,12 @@ _IMAGE_LINK = re.compile(r"""(\]\(\s*<?|src\s*=\s*["'])\.\./images/""")
 _CHECK_CALL = re.compile(r"\bcheck_\w*\s*\(")
 
 
+def points(cell: dict):
+    """What an exercise is worth as an nbgrader assignment: its cell's metadata
+    "points", else 1 (layout_problems refuses anything but a number > 0)."""
+    return cell.get("metadata", {}).get("points", 1)
+
+
 def tags(cell: dict) -> list[str]:
     return list(cell.get("metadata", {}).get("tags", []))
 
@@ -75,7 +81,7 @@ def layout_problems(nb: dict, name: str = "notebook") -> list[str]:
         if EXERCISE in t and SOLUTION in t:
             out.append(f"{name} cell {i}: tagged both `exercise` and `solution`")
         elif EXERCISE in t:
-            pts = c.get("metadata", {}).get("points", 1)
+            pts = points(c)
             if isinstance(pts, bool) or not isinstance(pts, (int, float)) or pts <= 0:
                 out.append(f"{name} cell {i}: an exercise's points (metadata "
                            f"\"points\", for nbgrader) must be a number > 0, "
@@ -105,7 +111,7 @@ def layout_problems(nb: dict, name: str = "notebook") -> list[str]:
     return out
 
 
-def _cleared(cell: dict) -> dict:
+def cleared(cell: dict) -> dict:
     cell = copy.deepcopy(cell)
     cell.get("metadata", {}).pop("execution", None)
     if cell["cell_type"] == "code":
@@ -120,9 +126,15 @@ def _cleared(cell: dict) -> dict:
 def student_notebook(nb: dict) -> dict:
     """The student's copy of `nb`: no `solution` cells, no outputs or counts, no
     saved widget state, image links into the edition's own images/."""
+    return with_cells(nb, [cleared(c) for c in nb["cells"] if SOLUTION not in tags(c)])
+
+
+def with_cells(nb: dict, cells: list[dict]) -> dict:
+    """A copy of `nb` (its metadata deep-copied, without saved widget state)
+    holding `cells`: an edition of it."""
     out = copy.deepcopy({k: v for k, v in nb.items() if k != "cells"})
     out.get("metadata", {}).pop("widgets", None)
-    out["cells"] = [_cleared(c) for c in nb["cells"] if SOLUTION not in tags(c)]
+    out["cells"] = cells
     return out
 
 
