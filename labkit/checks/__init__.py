@@ -16,7 +16,7 @@ from labkit.checks.collectives import (
     check_bytes_per_rank,
     check_cheap_reduce_scatter,
 )
-from labkit.checks.common import ExerciseError, NotAnswered, check_answer, graded
+from labkit.checks.common import ExerciseError, NotAnswered, check_answer
 from labkit.checks.data_parallel import (
     check_bucket_flush,
     check_bytes_per_step,
@@ -30,7 +30,7 @@ from labkit.checks.placement import check_placement
 from labkit.checks.ring import (
     check_ring_all_gather,
     check_ring_reduce_scatter,
-    check_ring_time,
+    check_crossover,
 )
 from labkit.checks.sequence_parallel import (
     check_online_softmax_merge,
@@ -58,13 +58,15 @@ from labkit.checks.expert_parallel import (
 
 from labkit.checks.sequence_parallel import check_ulysses_bytes
 
+from labkit.checks.grading import graded, intact, remember
+
 __all__ = ["ExerciseError", "SliceSGD", "check_answer", "check_bucket_flush",
            "check_placement", "check_ring_reduce_scatter", "check_uneven_shards",
            "check_zero1_step", "check_zero3_hooks"]
 __all__ += ["check_all_to_all", "check_bytes_per_rank", "check_cheap_reduce_scatter",
             "check_conjugate_operators", "check_moe_combine",
             "check_online_softmax_merge", "check_optimizer_bytes", "check_peak_share",
-            "check_ring_all_gather", "check_ring_time", "check_row_parallel_forward",
+            "check_ring_all_gather", "check_crossover", "check_row_parallel_forward",
             "check_sequence_parallel_mlp", "check_smallest_n", "check_two_rings"]
 __all__ += ["check_1f1b_order", "check_in_flight"]
 __all__ += ["check_dp_bytes", "check_peers", "check_ring_seconds"]
@@ -75,5 +77,8 @@ __all__ += ["check_bucket_count", "check_design", "check_min_units",
             "elements_shared"]
 __all__ += ["check_capacity_factor", "check_dispatch", "check_layer_bytes"]
 __all__ += ["check_ulysses_bytes"]
-# an nbgrader assignment's first code cell (labkit/cli/assignments.py)
-__all__ += ["NotAnswered", "graded"]
+# an nbgrader assignment's first code cell and its locked test cells
+# (labkit/cli/assignments.py)
+__all__ += ["NotAnswered", "graded", "intact"]
+
+remember()  # the checks' and closed forms' names as labkit's files define them

@@ -12,7 +12,7 @@ traceback per rank:
   expected (`compare`).
 A stub that still raises NotImplementedError (or a None left as the answer) is
 "not written yet": the check says so and returns without failing the notebook;
-under `graded()` (an nbgrader assignment's first code cell) it fails instead.
+under `graded()` (grading.py) it fails instead. NaN and inf are wrong answers.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from labkit.checks.explain import (
     not_written,
     student_frame,
 )
+from labkit.checks.grading import is_graded
 from labkit.checks.watch import watched
 from labkit.runtime import ClusterClosed, CollectiveTimeout, RankError
 
@@ -68,21 +69,9 @@ class NotAnswered(ExerciseError):
     """Under graded(): the exercise is still its stub, or its answer still None."""
 
 
-_graded = False
-
-
-def graded(on: bool = True) -> None:
-    """Grade, from now on in this kernel: an exercise left as its stub (or its
-    answer as None) fails its check, so nbgrader gives it no points, where it
-    otherwise says "not written yet" and lets Run All go on. `make nbgrader`'s
-    assignments call it in their first code cell."""
-    global _graded
-    _graded = bool(on)
-
-
 def not_yet(message: str) -> None:
     """Say that an exercise has no answer yet; under graded(), fail with it."""
-    if _graded:
+    if is_graded():
         raise NotAnswered(f"{message} (graded: no answer yet is no points)")
     print(message)
 
@@ -180,6 +169,16 @@ def is_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def finite(what: str, x) -> None:
+    """ExerciseError if the number x is NaN or infinite: never a right answer
+    (a NaN compares False with everything, so `abs(x - want) > tol` passes it)."""
+    import math
+
+    if not math.isfinite(x):
+        raise ExerciseError(f"{what}: {x!r} is not a number an answer can be "
+                            "(NaN or infinite); compute it from the inputs")
+
+
 def check_answer(what: str, yours, expected, hint: str = "", rel: float = 1e-9) -> None:
     """Compare a student's number with the expected one: a line saying it is right,
     "not answered yet" for None, ExerciseError with the hint when it is wrong.
@@ -192,7 +191,8 @@ def check_answer(what: str, yours, expected, hint: str = "", rel: float = 1e-9) 
         raise ExerciseError(f"{what}: expected a number, got {yours!r}")
     # int and float, and numpy's numbers as Python's (np.int64(4) is 4)
     yours = int(yours) if isinstance(yours, numbers.Integral) else float(yours)
-    if abs(yours - expected) > rel * max(abs(expected), 1e-300):
+    finite(what, yours)
+    if not abs(yours - expected) <= rel * max(abs(expected), 1e-300):
         msg = f"{what}: {_number(yours, what)} is not right"
         raise ExerciseError(msg + (f". Hint: {hint}" if hint else ""))
     print(f"{what}: {_number(yours, what)} is right")

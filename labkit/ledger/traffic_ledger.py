@@ -62,6 +62,9 @@ class Record:
     # the global ranks of the group the call travelled in, in the group's order
     # (so a 3D run can tell its tensor-, pipeline- and data-parallel bytes apart)
     group_ranks: tuple[int, ...] = ()
+    # a send's destination or a recv's source, as a global rank (None for a
+    # collective, and for a recv from any source)
+    peer: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -152,7 +155,7 @@ class TrafficLedger(Ledger, TorchDispatchMode):
             wire_bytes=(w1 - w0) if wire else None,
             seconds=t1 - t0, start=t0, complete=not p2p, phase=self._current_phase(),
             module=self._module_stack[-1] if self._module_stack else None,
-            rank=self.rank, group_ranks=members,
+            rank=self.rank, group_ranks=members, peer=_peer(name, args, members),
         ))
         return res
 
@@ -185,6 +188,15 @@ class TrafficLedger(Ledger, TorchDispatchMode):
     def __repr__(self) -> str:
         return (f"TrafficLedger(rank={self.rank}, {len(self.records)} calls, "
                 f"{human(self.sum('payload_bytes'))} payload)")
+
+
+def _peer(name: str, args, members: tuple[int, ...]) -> int | None:
+    """The global rank a send goes to or a recv comes from: c10d's send and recv_
+    name it (their third argument) as a rank of their group."""
+    if name not in ("send", "recv_") or len(args) < 3:
+        return None
+    peer = int(args[2])
+    return members[peer] if peer < len(members) else peer
 
 
 def traffic(modules: dict[str, torch.nn.Module] | torch.nn.Module | None = None
