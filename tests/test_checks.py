@@ -7,7 +7,6 @@ import pytest
 
 from labkit import checks
 from labkit.checks.common import SHORT_TIMEOUT
-from labkit.checks.ring import check_ring_all_gather, check_ring_time
 
 
 def _ring_steps(rank, world_size, chunks, steps):
@@ -26,25 +25,6 @@ def _ring_steps(rank, world_size, chunks, steps):
 
 def _good(rank, world_size, chunks):
     _ring_steps(rank, world_size, chunks, world_size - 1)
-
-
-def _one_step_short(rank, world_size, chunks):
-    _ring_steps(rank, world_size, chunks, world_size - 2)
-
-
-def _todo(rank, world_size, chunks):
-    raise NotImplementedError("exercise: the reduce-scatter phase")
-
-
-def test_ring_reduce_scatter_check(cluster, capsys):
-    assert checks.check_ring_reduce_scatter(cluster, _todo) is None
-    assert "not written yet" in capsys.readouterr().out
-    checks.check_ring_reduce_scatter(cluster, _good)
-    out = capsys.readouterr().out
-    assert "correct: after 3 steps" in out and "sent 3 chunks of M/4" in out
-    wrong = r"rank 0, chunk 1 .* holds ranks \[0\].* missing \[1, 2, 3\]"
-    with pytest.raises(checks.ExerciseError, match=wrong):
-        checks.check_ring_reduce_scatter(cluster, _one_step_short)
 
 
 # -- what run_answer makes of answers that crash, hang or return the wrong thing --
@@ -112,66 +92,6 @@ def test_a_result_of_the_wrong_type_is_said_precisely(cluster):
                                                    r"tensor of shape \(3,\), got "
                                                    r"list \[15.0, 15.0, 15.0\]"):
         checks.check_ring_reduce_scatter(cluster, _rebinds_to_a_list)
-
-
-def _gather_steps(rank, world_size, chunks, steps, add=False):
-    import torch.distributed as dist
-
-    right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    for s in range(1, steps + 1):
-        into = chunks[(rank - s + 1) % world_size]
-        buf = into.clone() if add else into
-        reqs = [dist.isend(chunks[(rank - s + 2) % world_size], right),
-                dist.irecv(buf, left)]
-        for q in reqs:
-            q.wait()
-        if add:
-            into += buf
-
-
-def test_ring_all_gather_check(cluster, capsys):
-    check_ring_all_gather(
-        cluster, lambda r, n, c: _gather_steps(r, n, c, n - 1))
-    assert "every rank holds all 4 complete chunks" in capsys.readouterr().out
-    # one step short: chunk 2 (completed on rank 1) is 3 steps from rank 0
-    short = (r"rank 0, chunk 2: expected chunk 2's complete sum 30; it still holds "
-             r"the stale partial sum \(-1\).* must travel 3 steps to reach rank 0")
-    with pytest.raises(checks.ExerciseError, match=short):
-        check_ring_all_gather(
-            cluster, lambda r, n, c: _gather_steps(r, n, c, n - 2))
-    with pytest.raises(checks.ExerciseError, match=r"rank 0, chunk 0: .* got 9, the "
-                                                   r"stale value plus a complete sum"):
-        check_ring_all_gather(
-            cluster, lambda r, n, c: _gather_steps(r, n, c, n - 1, add=True))
-    # the reduce-scatter's chunk choice in the all-gather phase: wrong chunks
-    with pytest.raises(checks.ExerciseError, match=r"rank 0, chunk 0: expected chunk "
-                                                   r"0's complete sum 10"):
-        check_ring_all_gather(cluster, _good)
-
-
-def test_ring_time_check(capsys):
-    def alpha_beta(n, size, alpha, beta):
-        return 2 * (n - 1) * alpha + 2 * (n - 1) / n * size / beta
-
-    check_ring_time(alpha_beta)
-    assert "50.19 ms, of which latency 10.23 ms (20.4%)" in capsys.readouterr().out
-    with pytest.raises(checks.ExerciseError, match=r"N = 4, .*expected 0.03003 s; "
-                                                   r"that is \(N-1\) steps"):
-        check_ring_time(lambda n, s, a, b: alpha_beta(n, s, a, b)
-                               - (n - 1) * a)
-    with pytest.raises(checks.ExerciseError, match=r"each rank sends 2\(N-1\)/N·S, "
-                                                   r"not 2S"):
-        check_ring_time(lambda n, s, a, b: 2 * (n - 1) * a + 2 * s / b)
-    with pytest.raises(checks.ExerciseError, match=r"raised ZeroDivisionError: "
-                                                   r"division by zero at line \d+ of "
-                                                   r"test_checks.py"):
-        check_ring_time(lambda n, s, a, b: 1 / 0)
-
-    def todo(n, size, alpha, beta):
-        raise NotImplementedError("exercise: the α-β time")
-
-    assert check_ring_time(todo) is None
-    assert "not written yet" in capsys.readouterr().out
 
 
 def test_check_answer(capsys):

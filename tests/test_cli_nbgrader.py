@@ -19,7 +19,16 @@ from pathlib import Path
 import pytest
 
 from labkit.checks import NotAnswered, check_answer, graded
-from labkit.cli.assignments import BEGIN, END, assignment, build, total_points
+from labkit.checks import grading
+from labkit.cli.assignments import (
+    BEGIN,
+    END,
+    GUARD,
+    HIDDEN,
+    assignment,
+    build,
+    total_points,
+)
 from labkit.cli.student import EXERCISE, layout_problems, source, student_notebook, tags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,6 +79,12 @@ def test_each_exercise_becomes_an_answer_and_a_locked_test_worth_its_points():
     meta = _nbgrader(check)
     assert (meta["grade"], meta["locked"], meta["points"], meta["solution"]) == (
         True, True, 3, False)
+    # the guard first, the chapter's check, then the check again, hidden
+    assert source(check) == (
+        f"{GUARD}\n\nfrom labkit.checks import check_answer\n\n"
+        f'check_answer("f", f(), 2)\n\n{HIDDEN[0]}\n# the check again: its '
+        "inputs are drawn afresh\nfrom labkit.checks import check_answer\n\n"
+        f'check_answer("f", f(), 2)\n{HIDDEN[1]}')
     meta = _nbgrader(written)  # a written answer: graded by hand, 1 point
     assert (meta["solution"], meta["grade"], meta["points"]) == (True, True, 1)
     assert total_points(nb) == (3, 1)
@@ -93,9 +108,18 @@ def test_graded_turns_not_answered_yet_into_a_failure(capsys):
         with pytest.raises(NotAnswered, match="not answered yet"):
             check_answer("x", None, 2)
     finally:
-        graded(False)
+        grading._graded = False  # a test may; an answer cell cannot (graded(False))
     check_answer("x", None, 2)  # self-study again
     assert "not answered yet" in capsys.readouterr().out
+
+
+def test_a_test_cell_imports_again_the_checks_an_earlier_cell_imported():
+    nb = _toy()
+    nb["cells"][1]["source"] = "from labkit.checks import check_answer\nx = 1"
+    nb["cells"][4]["source"] = 'check_answer("f", f(), 2)'
+    check = assignment(nb, "toy.ipynb")["cells"][4]
+    assert source(check).startswith(f"{GUARD}\nfrom labkit.checks import "
+                                    "check_answer\n\ncheck_answer(")
 
 
 def test_every_chapter_with_exercises_is_an_assignment(tmp_path):
@@ -147,12 +171,80 @@ def _submit(course: Path, student: str, nb: dict):
     (folder / f"{CHAPTER}.ipynb").write_text(json.dumps(nb), encoding="utf-8")
 
 
+# chapter 02's exercises as cheats would answer them (the stubs' names)
+_RS = "def my_reduce_scatter(rank, world_size, chunks):\n"
+_AG = "def my_all_gather(rank, world_size, chunks):\n"
+_CROSS = "def crossover_bytes(n, alpha, beta):\n"
+_STUBS = {"exercise-1": _RS + "    raise NotImplementedError\n",
+          "exercise-2": _AG + "    raise NotImplementedError\n",
+          "exercise-3": _CROSS + "    raise NotImplementedError\n"}
+_SWITCH_OFF = """\
+import os
+import labkit.checks.grading as g
+from labkit.checks import graded
+os.environ.pop("NBGRADER_EXECUTION", None)
+try:
+    graded(False)
+except Exception:
+    pass
+g._graded = False
+"""
+_PATCH = """\
+import sys
+import labkit.checks
+for name in list(sys.modules):
+    if name.startswith("labkit.checks"):
+        for attr in dir(sys.modules[name]):
+            if attr.startswith("check_"):
+                setattr(sys.modules[name], attr, lambda *a, **k: print("correct"))
+check_ring_reduce_scatter = check_ring_all_gather = check_crossover = print
+"""
+_CHEATS = {
+    # grading switched off (every way an answer cell can), the answers stubs
+    "switched_off": {**_STUBS, "exercise-1": _SWITCH_OFF + _STUBS["exercise-1"]},
+    # every check replaced, in labkit and in the notebook, the answers stubs
+    "patched": {**_STUBS, "exercise-1": _PATCH + _STUBS["exercise-1"]},
+    # the built-in collective; values written down; the chapter's number
+    "shortcuts": {
+        "exercise-1": _RS + "    dist.all_reduce(chunks[(rank + 1) % world_size])\n",
+        "exercise-2": _AG + "    for c, x in enumerate(chunks):\n"
+                            "        x.fill_(10.0 * (c + 1))\n",
+        "exercise-3": _CROSS + "    return 256e6\n"},
+    # labkit's own ring and α-β model; the built-in all-gather
+    "labkits_own": {
+        "exercise-1": _RS + "    from labkit.comm.collectives import "
+                            "ring_reduce_scatter\n"
+                            "    x = torch.cat(chunks)\n"
+                            "    ring_reduce_scatter(x)\n"
+                            "    for c, v in zip(chunks, x.chunk(world_size)):\n"
+                            "        c.copy_(v)\n",
+        "exercise-2": _AG + "    mine = chunks[(rank + 1) % world_size].clone()\n"
+                            "    parts = [torch.empty_like(mine) for _ in chunks]\n"
+                            "    dist.all_gather(parts, mine)\n"
+                            "    for q, part in enumerate(parts):\n"
+                            "        chunks[(q + 1) % world_size].copy_(part)\n",
+        "exercise-3": _CROSS + "    from labkit import theory\n"
+                               "    t = theory.alpha_beta_time\n"
+                               "    lat = t('all_reduce', 0, n, alpha, beta)\n"
+                               "    lo, hi = 0.0, 1e15\n"
+                               "    for _ in range(200):\n"
+                               "        s = (lo + hi) / 2\n"
+                               "        if t('all_reduce', s, n, alpha, beta)"
+                               " < 2 * lat:\n"
+                               "            lo = s\n"
+                               "        else:\n"
+                               "            hi = s\n"
+                               "    return lo\n"},
+}
+
+
 @pytest.mark.slow
 def test_nbgrader_generates_and_autogrades_a_chapter(tmp_path):
     """generate_assignment releases the stubs; autograde gives a correct
-    submission every point, and one with exercise 1 right, exercise 2 left as its
+    submission every point, one with exercise 1 right, exercise 2 left as its
     stub with its test cell replaced by `pass` (nbgrader restores locked cells)
-    and exercise 3 wrong, exercise 1's points only."""
+    and exercise 3 wrong, exercise 1's points only, and every cheat (_CHEATS:
+    grading switched off, checks patched, shortcuts, labkit's own code) none."""
     from nbgrader.api import Gradebook
 
     (source_nb,) = build(out=tmp_path, chapters=[CHAPTER])
@@ -183,17 +275,22 @@ def test_nbgrader_generates_and_autogrades_a_chapter(tmp_path):
             p["source"] = solutions[gid]
         elif gid == "exercise-2-check":
             p["source"] = "pass"
-        elif gid == "exercise-3":  # the bytes over beta, without the 2(N-1)/N
-            p["source"] = ("def ring_seconds(n, size, alpha, beta):\n"
-                           "    return 2 * (n - 1) * alpha + size / beta\n")
+        elif gid == "exercise-3":  # alpha·beta: the N left out
+            p["source"] = _CROSS + "    return alpha * beta\n"
     _submit(tmp_path, "right", right)
     _submit(tmp_path, "partly", partly)
+    for name, answers in _CHEATS.items():
+        cheat = copy.deepcopy(release)
+        for c in cheat["cells"]:
+            if _nbgrader(c).get("grade_id") in answers:
+                c["source"] = answers[_nbgrader(c)["grade_id"]]
+        _submit(tmp_path, name, cheat)
     _nbgrader_cli("autograde", CHAPTER, "--create", cwd=tmp_path)
 
     with Gradebook(f"sqlite:///{tmp_path / 'gradebook.db'}") as gb:
         scores = {s: {g.cell.name: g.score
                       for g in gb.find_submission(CHAPTER, s).notebooks[0].grades}
-                  for s in ("right", "partly")}
+                  for s in ("right", "partly", *_CHEATS)}
     want_right = points
     want_partly = {**dict.fromkeys(points, 0.0),
                    "exercise-1-check": points["exercise-1-check"]}
@@ -202,3 +299,7 @@ def test_nbgrader_generates_and_autogrades_a_chapter(tmp_path):
     assert scores["partly"] == want_partly, (
         f"exercise 1 right, 2 a stub with its test replaced, 3 wrong scored "
         f"{scores['partly']}; expected {want_partly}")
+    for name in _CHEATS:
+        assert scores[name] == dict.fromkeys(points, 0.0), (
+            f"the cheating submission {name!r} scored {scores[name]}; every cheat "
+            "must score 0")

@@ -151,12 +151,14 @@ def call_answer(fn, *args, what: str = "answer"):
 # ------------------------------------------------------------------ comparing
 
 
-def _number(x: float, what: str) -> str:
+def number_text(x: float, what: str) -> str:
     """352,321,536 B (336.0 MiB) for bytes, 352,321,536 for a whole number, else
-    six significant digits: never 3.52322e+08 for a count a student typed."""
-    whole = float(x).is_integer() and abs(x) < 1e18
+    six significant digits: never 3.52322e+08 for a count a student typed (bytes
+    from 1 KiB up are shown whole: a fraction of a byte there is rounding)."""
+    is_bytes = "byte" in what.lower()
+    whole = (float(x).is_integer() or is_bytes and abs(x) >= 1024) and abs(x) < 1e18
     text = f"{x:,.0f}" if whole else f"{x:,.6g}"
-    if "byte" in what.lower():
+    if is_bytes:
         from labkit.units import human_bytes
 
         text += f" B ({human_bytes(x)})" if abs(x) >= 1024 else " B"
@@ -193,9 +195,9 @@ def check_answer(what: str, yours, expected, hint: str = "", rel: float = 1e-9) 
     yours = int(yours) if isinstance(yours, numbers.Integral) else float(yours)
     finite(what, yours)
     if not abs(yours - expected) <= rel * max(abs(expected), 1e-300):
-        msg = f"{what}: {_number(yours, what)} is not right"
+        msg = f"{what}: {number_text(yours, what)} is not right"
         raise ExerciseError(msg + (f". Hint: {hint}" if hint else ""))
-    print(f"{what}: {_number(yours, what)} is right")
+    print(f"{what}: {number_text(yours, what)} is right")
 
 
 def check_like(where: str, got, want, hint: str = "") -> None:

@@ -8,7 +8,7 @@
 - `intact()`, the first line of every locked test cell of `make nbgrader`'s
   assignments: each module of labkit's checks and closed forms as it was when
   labkit.checks was imported. A name an answer cell replaced (a check, a
-  reference, a closed form, a function's code or defaults, a constant), or
+  reference, a closed form, a function's code or defaults, a constant's items), or
   grading switched off, is put back and the test fails, naming it.
 
 Answer cells run in the interpreter the checks run in: this guards labkit's own
@@ -83,13 +83,21 @@ def _record(value):
                 copy.copy(value.__kwdefaults__))
     if isinstance(value, type) and _guarded(value):
         return ("class", {k: (v, _record(getattr(v, "__func__", v)))
-                          for k, v in vars(value).items() if not k.startswith("__")})
+                          for k, v in vars(value).items()
+                          if k not in ("__dict__", "__weakref__")})
     if isinstance(value, (list, dict, set)):
-        try:
-            return ("data", copy.deepcopy(value))
-        except Exception:  # noqa: BLE001  (not copyable: identity is all we keep)
-            return None
+        return ("data", copy.copy(value))  # its items, themselves
     return None
+
+
+def _same_items(a, b) -> bool:
+    """A container holds the very items it held (identity, not equality: an
+    object that compares by identity would otherwise look changed)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return a == b
 
 
 def remember() -> None:
@@ -121,13 +129,12 @@ def _restore(where: str, value, kept, changed: list[str]) -> None:
                 setattr(value, k, v)
                 changed.append(f"{where}.{k}")
             _restore(f"{where}.{k}", getattr(v, "__func__", v), inner, changed)
-    elif kind == "data" and value != kept[1]:
+    elif kind == "data" and not _same_items(value, kept[1]):
         value.clear()
-        fresh = copy.deepcopy(kept[1])
         if isinstance(value, list):
-            value.extend(fresh)
+            value.extend(kept[1])
         else:
-            value.update(fresh)
+            value.update(kept[1])
         changed.append(f"{where} (its contents)")
 
 

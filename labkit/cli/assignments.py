@@ -11,7 +11,11 @@ it; student.py's layout) becomes nbgrader's:
   generate_assignment` releases exactly the stub that `make student` hands out;
 - the check cell as an "Autograded tests" cell, locked, worth the exercise's
   points: a wrong answer makes labkit's check raise, and nbgrader gives a cell
-  that raised (or wrote to stderr) no points;
+  that raised (or wrote to stderr) no points. It starts with
+  labkit.checks.intact() (a check, reference or closed form an answer cell
+  replaced, or grading switched off, fails the test) and imports afresh the
+  checks it calls, and ends with a hidden test (`### BEGIN HIDDEN TESTS`) that
+  runs the check again, on inputs drawn afresh;
 - every other code cell read-only ("locked"): autograde runs the measurements
   the checks compare against as the lecturer released them, whatever a student
   changed in them;
@@ -25,6 +29,7 @@ none). `make student` stays the self-study edition, with no nbgrader metadata.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shutil
@@ -42,6 +47,7 @@ from labkit.cli.student import (
 )
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 SCHEMA_VERSION = 3  # nbgrader 0.9's cell metadata schema
 _IMAGE = re.compile(r"""(?:\]\(\s*<?|src\s*=\s*["'])images/([^)"'>\s]+)""")
 
@@ -76,6 +82,45 @@ from labkit.checks import graded
 graded()"""
 
 
+GUARD = """\
+# Graded (locked): labkit's checks run as its files define them; a check or
+# closed form an answer cell replaced, or grading switched off, fails here.
+from labkit.checks import intact
+
+intact()"""
+
+
+def _checks_used(code: str) -> list[str]:
+    """The names labkit.checks exports that `code` reads but does not import
+    itself (imported in an earlier cell, which an answer cell may rebind)."""
+    import labkit.checks
+
+    tree = ast.parse(code)
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    imported = {a.asname or a.name for n in ast.walk(tree)
+                if isinstance(n, ast.ImportFrom) and n.module == "labkit.checks"
+                for a in n.names}
+    return sorted(used & set(labkit.checks.__all__) - imported)
+
+
+def _test(check: dict) -> dict:
+    """The locked test cell made of a chapter's check cell: GUARD, the checks it
+    calls imported again (an answer cell may have rebound their names), the
+    check, and the check again as a hidden test on inputs drawn afresh."""
+    cell = cleared(check)
+    body = source(cell).strip("\n")
+    names = _checks_used(body)
+    again = ""
+    if names:
+        again = "\nfrom labkit.checks import " + ", ".join(names)
+        if len(again) > 80:
+            again = ("\nfrom labkit.checks import (\n"
+                     + "".join(f"    {n},\n" for n in names) + ")")
+    cell["source"] = (f"{GUARD}{again}\n\n{body}\n\n{HIDDEN[0]}\n# the check "
+                      f"again: its inputs are drawn afresh\n{body}\n{HIDDEN[1]}")
+    return cell
+
+
 def _answer(stub: dict, solution: dict) -> dict:
     """One cell: the stub, then the solution as nbgrader's solution region."""
     cell = cleared(stub)
@@ -103,7 +148,7 @@ def assignment(nb: dict, name: str) -> dict:
                 i += 2
                 continue
             out.append(_nbgrader(answer, f"exercise-{k}", solution=True))
-            out.append(_nbgrader(cleared(cells[i + 2]), f"exercise-{k}-check",
+            out.append(_nbgrader(_test(cells[i + 2]), f"exercise-{k}-check",
                                  grade=True, locked=True, pts=pts))
             i += 3
             continue
