@@ -19,6 +19,7 @@ from labkit.checks.common import (
     check_like,
     finite,
     is_number,
+    number_text,
     run_answer,
 )
 from labkit.checks.verify import (
@@ -258,8 +259,9 @@ def check_crossover(fn) -> None:
         # float64 formula against the exact one: another order of the same
         # operations differs in the 16th digit; 1e-9 relative absorbs that only
         if not abs(got - want) <= 1e-9 * want:
-            raise ExerciseError(f"{case}: got {got:,.6g} bytes, expected "
-                                f"{want:,.0f}" + _crossover_hint(n, alpha, beta, got))
+            raise ExerciseError(f"{case}: got {number_text(got, 'bytes')}, expected "
+                                f"{number_text(want, 'bytes')}"
+                                + _crossover_hint(n, alpha, beta, got))
     n, alpha, beta = cases[0]
     s = float(_crossover(n, alpha, beta))
     print(f"correct on {len(cases)} cases drawn this run: at N = {n}, α = 5 µs, "
