@@ -241,13 +241,15 @@ def test_crossover_check(capsys):
 
 @pytest.mark.parametrize("answer, message", [
     (lambda n, a, b: a * b, r"N = 1024, .*: got 250,000 B \(244.1 KiB\), "
-                            r"expected 256,000,000 B \(244.1 MiB\); that is α·β: the N is missing"),
+                            r"expected 256,000,000 B \(244.1 MiB\); that is α·β: "
+                            r"the N is missing"),
     (lambda n, a, b: (n - 1) * a * b, r"that is \(N-1\)·α·β"),
     (lambda n, a, b: n * a * b / 2, r"the 2 cancels too"),
     (lambda n, a, b: n * a / b, r"β is bytes per second"),
     (lambda n, a, b: float("nan"), r"nan is not a number an answer can be"),
     (lambda n, a, b: float("inf"), r"inf is not a number an answer can be"),
-    (lambda n, a, b: 256e6, r"N = \d+, .*: got 256,000,000 B \(244.1 MiB\), expected"),
+    (lambda n, a, b: 256e6, r"N = \d+, .*: got 256,000,000 B \(244.1 MiB\), "
+                             r"expected"),
     (lambda n, a, b: "256 MB", r"expected a number of bytes, got str"),
 ])
 def test_wrong_crossovers_are_named(answer, message):
