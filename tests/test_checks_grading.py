@@ -132,3 +132,42 @@ def test_nan_and_inf_are_wrong_answers(bad):
     with pytest.raises(ExerciseError, match=r"x: .* is not a number an answer can "
                                             r"be \(NaN or infinite\)"):
         check_answer("x", bad, 3.0)
+
+
+def test_the_clusters_run_replaced_is_put_back(grading_on):
+    from labkit.runtime import Cluster
+
+    real = Cluster.run
+    Cluster.run = lambda self, fn, *a, **k: None  # every check would see nothing
+    with pytest.raises(ExerciseError, match=r"labkit.runtime.cluster.Cluster.run"):
+        intact()
+    assert Cluster.run is real
+
+
+class _FakeCluster:
+    world_size = 4
+
+    def run(self, fn, *args, **kwargs):
+        return [None] * 4
+
+
+def test_a_check_refuses_a_cluster_that_is_not_labkits():
+    """An answer cell could rebind `cluster`, which the check cells pass in, to
+    an object whose run() returns what passes."""
+    from labkit.checks import check_ring_reduce_scatter
+
+    with pytest.raises(ExerciseError, match=r"the check runs answers on the "
+                                            r"chapter's labkit.Cluster, but "
+                                            r"`cluster` is now"):
+        check_ring_reduce_scatter(_FakeCluster(), lambda r, n, c: None)
+
+
+def test_a_cluster_whose_run_was_replaced_on_it_is_refused(cluster):
+    from labkit.checks import check_ring_reduce_scatter
+
+    cluster.run = lambda fn, *a, **k: [None] * 4
+    try:
+        with pytest.raises(ExerciseError, match=r"`cluster` is now Cluster"):
+            check_ring_reduce_scatter(cluster, lambda r, n, c: None)
+    finally:
+        del cluster.run

@@ -30,7 +30,7 @@ from labkit.checks.explain import (
 )
 from labkit.checks.grading import is_graded
 from labkit.checks.watch import watched
-from labkit.runtime import ClusterClosed, CollectiveTimeout, RankError
+from labkit.runtime import Cluster, ClusterClosed, CollectiveTimeout, RankError
 
 SHORT_TIMEOUT = 5.0  # seconds: a check's ranks do tiny work; longer is a deadlock
 
@@ -90,6 +90,7 @@ def run_answer(cluster, worker, *args, what: str = "answer",
     the ranks; its RankResults once it works, None (after saying so) while the
     answer still raises NotImplementedError. An exception or a deadlock becomes
     an ExerciseError that says what happened on which rank, at which line."""
+    labkit_cluster(cluster)
     modules = {getattr(f, "__module__", None) for f in (worker, *args) if callable(f)}
     try:
         cluster.run(_prepare, sorted(modules - {None, "__main__"}))  # normal timeout
@@ -105,6 +106,19 @@ def run_answer(cluster, worker, *args, what: str = "answer",
             _not_yet(what)
             return None
         raise ExerciseError(failure_message(err, what)) from None
+
+
+def labkit_cluster(cluster):
+    """`cluster`, once sure it is labkit's own Cluster (its run() unreplaced):
+    an answer cell could rebind the name the check cells pass in to an object
+    whose run() returns whatever passes."""
+    if type(cluster) is not Cluster or "run" in vars(cluster):
+        raise ExerciseError(
+            f"the check runs answers on the chapter's labkit.Cluster, but "
+            f"`cluster` is now {type(cluster).__name__} {_short(cluster)}: run the "
+            "cell that starts it (`cluster = labkit.Cluster(...)`) and never "
+            "rebind the name")
+    return cluster
 
 
 def _prepare(rank, world_size, modules: list[str]) -> None:
@@ -233,16 +247,19 @@ def first_wrong(got, want, *, rel: float = 0.0, atol: float = 0.0):
 # since a student's sums run in another order and round as differently as two
 # orders in one process do. ROUNDING_UNITS units of rounding of the dtype, times
 # the largest element, is the least allowed: a reference that happens to round
-# exactly would otherwise allow nothing. A real mistake (a missing or doubled
-# term) is off by a sizeable fraction of an element.
+# exactly would otherwise allow nothing. Where the result is a sum whose terms
+# cancel (a mean of gradients over ranks), an answer's rounding is a unit of the
+# terms, not of the small result: `scale` is then the largest term. A real
+# mistake (a missing or doubled term) is off by a sizeable fraction of an element.
 ROUNDING_UNITS = 4
 
 
-def rounding_tolerance(want, exact) -> float:
+def rounding_tolerance(want, exact, scale: float | None = None) -> float:
     """The largest difference from `exact` (the reference computed in float64)
     that an answer in `want`'s dtype may have, element by element: FACTOR times
     the float32 reference `want`'s own largest difference from `exact`, at least
-    ROUNDING_UNITS units of rounding times exact's largest element."""
+    ROUNDING_UNITS units of rounding times `scale` (the largest term of the sums
+    that made the result; by default exact's largest element)."""
     import torch
 
     from labkit.numerics import FACTOR
@@ -252,14 +269,17 @@ def rounding_tolerance(want, exact) -> float:
     exact = exact.detach().double()
     own = (want.detach().double() - exact).abs().max().item()
     unit = torch.finfo(want.dtype).eps / 2 if want.dtype.is_floating_point else 0.0
-    return FACTOR * max(own, ROUNDING_UNITS * unit * exact.abs().max().item())
+    if scale is None:
+        scale = exact.abs().max().item()
+    return FACTOR * max(own, ROUNDING_UNITS * unit * scale)
 
 
-def wrong_element(got, want, exact):
+def wrong_element(got, want, exact, scale: float | None = None):
     """(index, got, expected, allowed) of the first element of `got` farther from
-    `exact` than rounding_tolerance(want, exact) (NaN and inf are wrong), or None.
-    `want` is the float32 reference, `exact` the same computed in float64."""
-    tol = rounding_tolerance(want, exact)
+    `exact` than rounding_tolerance(want, exact, scale) (NaN and inf are wrong),
+    or None. `want` is the float32 reference, `exact` the same computed in
+    float64."""
+    tol = rounding_tolerance(want, exact, scale)
     i = first_wrong(got, exact, atol=tol)
     return None if i is None else (i, float(got[i]), float(exact[i]), tol)
 

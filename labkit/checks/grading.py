@@ -6,8 +6,9 @@
   (`graded(False)` raises), and nbgrader's own runs (autograde and validate set
   NBGRADER_EXECUTION) are graded whatever a cell did.
 - `intact()`, the first line of every locked test cell of `make nbgrader`'s
-  assignments: each module of labkit's checks and closed forms as it was when
-  labkit.checks was imported. A name an answer cell replaced (a check, a
+  assignments: each module of labkit's checks and closed forms, and the
+  Cluster class the checks run answers through, as it was when labkit.checks
+  was imported. A name an answer cell replaced (a check, a
   reference, a closed form, a function's code or defaults, a constant's items), or
   grading switched off, is put back and the test fails, naming it.
 
@@ -31,7 +32,11 @@ _snapshot: dict[str, tuple[types.ModuleType, dict]] = {}
 # forms they compare with, and what both use (units, conventions, numerics)
 GUARDED = ("labkit.checks", "labkit.theory", "labkit.units", "labkit.conventions",
            "labkit.numerics")
-_STATE = {(__name__, "_graded"), (__name__, "_snapshot")}  # may change: ours
+# and the one class of the runtime a check runs answers through
+GUARDED_CLASSES = (("labkit.runtime.cluster", "Cluster"),)
+_STATE = {(__name__, "_graded"), (__name__, "_snapshot"),
+          (__name__, "_classes")}  # may change: ours
+_classes: dict[tuple[str, str], tuple[type, tuple]] = {}
 
 
 def graded(on: bool = True) -> None:
@@ -75,14 +80,15 @@ def _guarded(obj) -> bool:
     return getattr(obj, "__module__", "").startswith(GUARDED)
 
 
-def _record(value):
+def _record(value, ours: bool = False):
     """What is kept of one module attribute, to compare and put back: a function's
-    code and defaults, a class's own attributes, a copy of a mutable constant."""
-    if isinstance(value, types.FunctionType) and _guarded(value):
+    code and defaults, a class's own attributes, a copy of a mutable constant
+    (`ours`: the value is guarded wherever it was defined)."""
+    if isinstance(value, types.FunctionType) and (ours or _guarded(value)):
         return ("function", value.__code__, value.__defaults__,
                 copy.copy(value.__kwdefaults__))
-    if isinstance(value, type) and _guarded(value):
-        return ("class", {k: (v, _record(getattr(v, "__func__", v)))
+    if isinstance(value, type) and (ours or _guarded(value)):
+        return ("class", {k: (v, _record(getattr(v, "__func__", v), ours))
                           for k, v in vars(value).items()
                           if k not in ("__dict__", "__weakref__")})
     if isinstance(value, (list, dict, set)):
@@ -105,6 +111,9 @@ def remember() -> None:
     first call; labkit.checks makes it when it is imported)."""
     if _snapshot:
         return
+    for module, name in GUARDED_CLASSES:
+        cls = getattr(importlib.import_module(module), name)
+        _classes[module, name] = (cls, _record(cls, ours=True))
     for mod in _modules():
         names = {k: (v, _record(v)) for k, v in vars(mod).items()
                  if (mod.__name__, k) not in _STATE and k != "__builtins__"}
@@ -144,7 +153,7 @@ _MISSING = object()
 def tampered() -> list[str]:
     """Put back every guarded name an answer cell changed since `remember()`, and
     switch grading on again if it was switched off; what was changed, one entry
-    each ("labkit.checks.ring.check_ring_time", ...)."""
+    each ("labkit.checks.ring.check_crossover", ...)."""
     global _graded
     remember()
     changed: list[str] = []
@@ -162,6 +171,12 @@ def tampered() -> list[str]:
                 here[k] = v
                 changed.append(f"{name}.{k}")
             _restore(f"{name}.{k}", v, kept, changed)
+    for (module, name), (cls, kept) in _classes.items():
+        mod = sys.modules[module]
+        if getattr(mod, name, None) is not cls:
+            setattr(mod, name, cls)
+            changed.append(f"{module}.{name}")
+        _restore(f"{module}.{name}", cls, kept, changed)
     if not _graded:
         _graded = True
         changed.append("grading (switched off with labkit.checks.graded or its flag)")

@@ -134,3 +134,143 @@ def require_ring(where: str, rank: int, n: int, records, chunk_bytes: int,
                 raise ExerciseError(
                     f"{where}: its {_ordinal(k)} message {name} was {nbytes:,} "
                     f"bytes; each step moves one chunk, M/N = {chunk_bytes:,} bytes")
+
+
+# ------------------------------------------------- all-to-alls that do not pair
+
+
+class SizesDisagree(Exception):
+    """Raised on every rank alike, before an all-to-all whose sizes do not pair
+    up: `plans` is every rank's plan of that call (`plan_of`), `call` which
+    all-to-all of the block it was (1 for the first), `me` this rank's place in
+    the call's group."""
+
+    def __init__(self, call: int, plans: list[dict], me: int):
+        super().__init__(f"all-to-all {call}: the ranks' sizes do not pair up")
+        self.call, self.plans, self.me = call, plans, me
+
+    def info(self) -> dict:
+        """This rank's view: bytes it sends each rank and expects from each, what
+        each sends it (`theirs`), its output row's bytes, its own problem."""
+        mine = self.plans[self.me]
+        return {"call": self.call, "sends": mine["sends"], "expects": mine["expects"],
+                "theirs": [p["sends"][self.me] for p in self.plans],
+                "row": mine["row_bytes"], "problem": mine["problem"]}
+
+
+def _side(t, splits, n: int, what: str):
+    """(rows, split sizes in rows, problem or None) of one side of an
+    all_to_all_single: tensor t and the split sizes it was given (as given,
+    whole numbers, even where they do not fit; None where there are none to
+    read: not given and t does not split evenly, or not whole numbers)."""
+    rows = int(t.shape[0]) if t.dim() else 1
+    if splits is None:
+        if rows % n:
+            return rows, None, (f"its {what} tensor has {rows} rows, which do not "
+                                f"split evenly over {n} ranks: give the split sizes")
+        return rows, [rows // n] * n, None
+    try:
+        splits = [int(v) for v in splits]
+    except (TypeError, ValueError):
+        return rows, None, f"its {what} split sizes {splits!r} are not whole numbers"
+    if len(splits) != n:
+        return rows, splits, (f"its {what} split sizes {splits} are not {n} "
+                              "numbers, one per rank")
+    if sum(splits) != rows:
+        return rows, splits, (f"its {what} split sizes {splits} add up to "
+                              f"{sum(splits)} rows, but its {what} tensor has {rows}")
+    return rows, splits, None
+
+
+def plan_of(output, input, output_split_sizes, input_split_sizes, n: int) -> dict:
+    """What one rank's all_to_all_single asks for: rows and split sizes of each
+    side (None where they do not fit), whether split sizes were given, row
+    shape and dtype of each side, bytes to and from each rank, the problem."""
+    import math
+
+    def row_bytes(t):
+        return (math.prod(t.shape[1:]) if t.dim() else 1) * t.element_size()
+
+    in_rows, ins, p_in = _side(input, input_split_sizes, n, "input")
+    out_rows, outs, p_out = _side(output, output_split_sizes, n, "output")
+    return {"in_rows": in_rows, "out_rows": out_rows, "ins": ins, "outs": outs,
+            "given": [input_split_sizes is not None, output_split_sizes is not None],
+            "row": list(input.shape[1:]), "out_row": list(output.shape[1:]),
+            "dtype": str(input.dtype), "out_dtype": str(output.dtype),
+            "row_bytes": row_bytes(output),
+            "sends": [k * row_bytes(input) for k in ins] if not p_in else [0] * n,
+            "expects": ([k * row_bytes(output) for k in outs] if not p_out
+                        else [0] * n),
+            "problem": p_in or p_out}
+
+
+def _plan_of_lists(outputs, inputs, n: int) -> dict:
+    """plan_of for dist.all_to_all's lists of tensors, one per rank."""
+    ins, outs = list(inputs), list(outputs)
+    problem = (None if len(ins) == len(outs) == n else
+               f"it passed {len(ins)} input and {len(outs)} output tensors, not "
+               f"{n} of each")
+
+    def nbytes(ts):
+        return ([t.numel() * t.element_size() for t in ts] + [0] * n)[:n]
+
+    rows = [int(t.shape[0]) if t.dim() else 1 for t in ins]
+    out_rows = [int(t.shape[0]) if t.dim() else 1 for t in outs]
+    first = (outs or ins or [None])[0]
+    return {"in_rows": sum(rows), "out_rows": sum(out_rows), "ins": rows,
+            "outs": out_rows, "given": [True, True],
+            "row": list(ins[0].shape[1:]) if ins else [],
+            "out_row": list(outs[0].shape[1:]) if outs else [],
+            "dtype": str(ins[0].dtype) if ins else "-",
+            "out_dtype": str(outs[0].dtype) if outs else "-",
+            "row_bytes": max(1, first.element_size() if first is not None else 1),
+            "sends": nbytes(ins), "expects": nbytes(outs), "problem": problem}
+
+
+@contextlib.contextmanager
+def sizes_agree(token: str):
+    """While open (on a rank), every dist.all_to_all_single and dist.all_to_all
+    first posts this rank's plan of the call to the process group's store and
+    reads every member's: where the sizes do not pair up (or a rank's split
+    sizes do not fit its tensors), every rank raises SizesDisagree instead of
+    making the call, which gloo would answer by aborting every process. The
+    store is no collective: a traffic ledger sees only the real calls. `token`,
+    the same on every rank and new for each check run, keeps runs apart."""
+    import json
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    real_single, real_list = dist.all_to_all_single, dist.all_to_all
+    calls: dict[tuple, int] = {}
+
+    def agree(plan: dict, group) -> None:
+        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+        me = ranks.index(dist.get_rank())
+        call = calls[ranks] = calls.get(ranks, 0) + 1
+        key = f"labkit/sizes/{token}/{'-'.join(map(str, ranks))}/{call}"
+        store.set(f"{key}/{me}", json.dumps(plan))
+        plans = [json.loads(store.get(f"{key}/{q}")) for q in range(len(ranks))]
+        if any(p["problem"] for p in plans) or any(
+                p["sends"][j] != plans[j]["expects"][i]
+                for i, p in enumerate(plans) for j in range(len(plans))):
+            raise SizesDisagree(call, plans, me)
+
+    def single(output, input, output_split_sizes=None, input_split_sizes=None,
+               group=None, async_op=False):
+        agree(plan_of(output, input, output_split_sizes, input_split_sizes,
+                      dist.get_world_size(group)), group)
+        return real_single(output, input, output_split_sizes, input_split_sizes,
+                           group=group, async_op=async_op)
+
+    def listed(output_tensor_list, input_tensor_list, group=None, async_op=False):
+        agree(_plan_of_lists(output_tensor_list, input_tensor_list,
+                             dist.get_world_size(group)), group)
+        return real_list(output_tensor_list, input_tensor_list, group=group,
+                         async_op=async_op)
+
+    dist.all_to_all_single, dist.all_to_all = single, listed
+    try:
+        yield
+    finally:
+        dist.all_to_all_single, dist.all_to_all = real_single, real_list
