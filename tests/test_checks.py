@@ -219,8 +219,8 @@ def test_bucket_flush_check(cluster, capsys):
     wrong = r"rank 0, bucket 0, tensor '2.bias', .*this rank's own gradient"
     with pytest.raises(checks.ExerciseError, match=wrong):
         checks.check_bucket_flush(cluster, _flush_not_copied_back)
-    wrong = (r"rank 0, bucket 0 \(2.bias, 2.weight\): flush made \['all_reduce', "
-             r"'all_reduce'\]; a bucket goes as ONE all_reduce")
+    wrong = (r"rank 0, bucket 0 \(2.bias, 2.weight\): flush made 2 all-reduces, "
+             r"one per tensor; a bucket goes as ONE all_reduce")
     with pytest.raises(checks.ExerciseError, match=wrong):
         checks.check_bucket_flush(cluster, _flush_per_tensor)
     with pytest.raises(checks.ExerciseError, match=r"rank 0, bucket 0: flush returned "
@@ -228,15 +228,18 @@ def test_bucket_flush_check(cluster, capsys):
         checks.check_bucket_flush(cluster, _flush_returns_nothing)
 
 
-def _sync_weighted(grads, n_local, n_global, world_size):
+def _sync_weighted(grads, n_local, world_size):
+    import torch
     import torch.distributed as dist
 
+    total = torch.tensor([float(n_local)])
+    dist.all_reduce(total)                 # no rank is told B: the counts, summed
     for g in grads:
-        g.mul_(n_local / n_global)
+        g.mul_(n_local / total.item())
         dist.all_reduce(g)
 
 
-def _sync_plain_mean(grads, n_local, n_global, world_size):
+def _sync_plain_mean(grads, n_local, world_size):
     import torch.distributed as dist
 
     for g in grads:
@@ -244,23 +247,24 @@ def _sync_plain_mean(grads, n_local, n_global, world_size):
         g.div_(world_size)
 
 
-def _sync_sum(grads, n_local, n_global, world_size):
+def _sync_sum(grads, n_local, world_size):
     import torch.distributed as dist
 
     for g in grads:
         dist.all_reduce(g)
 
 
-def _sync_weighted_then_divided(grads, n_local, n_global, world_size):
-    _sync_weighted(grads, n_local, n_global, world_size)
+def _sync_weighted_then_divided(grads, n_local, world_size):
+    _sync_weighted(grads, n_local, world_size)
     for g in grads:
         g.div_(world_size)
 
 
 def test_uneven_shards_check(cluster):
     assert checks.check_uneven_shards(cluster, _sync_weighted)
-    wrong = (r"rank 0 \(holding 1 of 13 examples\), tensor '0.weight', element "
-             r"\[\d, \d\]: got .*; that is the plain mean .* n_local / n_global")
+    wrong = (r"rank 0 \(holding \d of \d+ examples; counts this run \[.*\]\), "
+             r"tensor '0.weight', element \[\d, \d\]: got .*; that is the plain "
+             r"mean .* n_local / B")
     with pytest.raises(checks.ExerciseError, match=wrong):
         checks.check_uneven_shards(cluster, _sync_plain_mean)
     with pytest.raises(checks.ExerciseError, match=r"that is 1/4 of it"):

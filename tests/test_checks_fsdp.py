@@ -1,5 +1,8 @@
 """labkit.checks.fsdp: the ZeRO-3 hooks check (autograd on) passes a right answer, says
-"not written yet" for a stub, and names what is wrong in wrong ones."""
+"not written yet" for a stub, and names what is wrong in wrong ones and each
+shortcut (an all-reduce of the gradients, a gather too many, labkit's own FSDP,
+the old fixed weights, NaN); the fewest-units check holds a formula to the
+ledger's peaks and to cases drawn fresh, and names the usual mistakes."""
 
 import math
 
@@ -14,7 +17,8 @@ pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
 
 
 def _zero3(layer, shards, shapes, *, regather=True, free="storage", mean=True,
-           order=None, trim=True, data=True):
+           order=None, trim=True, data=True, reduce_op="all_to_all", gathers=1,
+           poison=False):
     """A ZeRO-3 layer (the solution) and, by its options, typical mistakes."""
     n = dist.get_world_size()
     fulls = {}
@@ -25,8 +29,16 @@ def _zero3(layer, shards, shapes, *, regather=True, free="storage", mean=True,
 
         def reduce(full, shard=shard):
             got = torch.empty_like(full.grad)
-            dist.all_to_all_single(got, full.grad)
-            shard.grad = got.view(n, -1).sum(0) / (n if mean else 1)
+            if reduce_op == "all_reduce":  # every rank gets every whole gradient
+                summed = full.grad.clone()
+                dist.all_reduce(summed)
+                r = dist.get_rank()
+                shard.grad = summed.view(n, -1)[r] / (n if mean else 1)
+            else:
+                dist.all_to_all_single(got, full.grad)
+                shard.grad = got.view(n, -1).sum(0) / (n if mean else 1)
+            if poison:
+                shard.grad.fill_(float("nan"))
             full.grad = None
             full.untyped_storage().resize_(0)
         full.register_post_accumulate_grad_hook(reduce)
@@ -38,7 +50,8 @@ def _zero3(layer, shards, shapes, *, regather=True, free="storage", mean=True,
                 parts = list((full.data if data else torch.empty_like(full)).chunk(n))
                 if order is not None:
                     parts = [parts[i] for i in order]
-                dist.all_gather(parts, shards[name])
+                for _ in range(gathers):
+                    dist.all_gather(parts, shards[name])
                 if not data:  # copied into the tensor autograd saved: an edit
                     full.copy_(torch.cat(parts))
 
@@ -126,11 +139,44 @@ def _raises(layer, shards, shapes):
     layer.register_forward_pre_hook(pre)
 
 
+def _all_reduced(layer, shards, shapes):
+    _zero3(layer, shards, shapes, reduce_op="all_reduce")
+
+
+def _gathers_twice(layer, shards, shapes):
+    _zero3(layer, shards, shapes, gathers=2)  # each gather made twice
+
+
+def _labkit_own(layer, shards, shapes):
+    from labkit.parallel.reduce_scatter import sum_chunks
+
+    _zero3(layer, shards, shapes)
+    n = dist.get_world_size()
+    sum_chunks(torch.zeros(2 * n), n, average=True)  # labkit's own local sum
+
+
+def _old_fixed_weights(layer, shards, shapes):
+    """The weights of the old check's layer (torch.manual_seed(0)) set directly:
+    no gather, and no longer the layer."""
+    torch.manual_seed(0)
+    old = torch.nn.Linear(10, 7)
+
+    def pre(module, args):
+        module.weight, module.bias = old.weight * 1, old.bias * 1
+    layer.register_forward_pre_hook(pre)
+
+
+def _nan_gradient(layer, shards, shapes):
+    _zero3(layer, shards, shapes, poison=True)
+
+
 def test_zero3_hooks_check(cluster, capsys):
     assert not check_zero3_hooks(cluster, _todo)
     assert "not written yet" in capsys.readouterr().out
     assert check_zero3_hooks(cluster, _good)
-    assert "correct" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "on a layer and data drawn this run" in out
+    assert "all-gathers of 160 elements, a reduce-scatter of 72 + 8" in out
     with pytest.raises(ExerciseError, match=r"rank 0: the layer's backward read the "
                        r"weight it saved in forward .* found it freed: gather it "
                        r"again"):
@@ -164,6 +210,22 @@ def test_zero3_hooks_check(cluster, capsys):
         check_zero3_hooks(cluster, _rank0_gathers)  # reported after 5 s, not 30
 
 
+@pytest.mark.parametrize("fn, message", [
+    (_all_reduced, r"rank 0, the values are right, but it used \['all_reduce'\]: "
+                   r".*where an all-reduce sends every rank all of them"),
+    (_gathers_twice, r"rank 0, the values are right, but its all-gathers carried "
+                     r"320 elements in a step"),
+    (_labkit_own, r"rank 0: your answer calls labkit.parallel.reduce_scatter."
+                  r"sum_chunks, labkit's own FSDP"),
+    (_old_fixed_weights, r"rank 0, tensor weight, element \(0, 0\): forward saw "
+                         r".*, expected"),
+    (_nan_gradient, r"rank 0, shards\['weight'\].grad, element \(0,\): got nan"),
+])
+def test_zero3_shortcuts_are_named(cluster, fn, message):
+    with pytest.raises(ExerciseError, match=message):
+        check_zero3_hooks(cluster, fn)
+
+
 def test_peak_share_check(capsys):
     measured = {(4, 4): 0.75}  # what chapter 07's memory ledger measures
     assert not check_peak_share(lambda n, u: (_ for _ in ()).throw(
@@ -180,30 +242,61 @@ def test_peak_share_check(capsys):
         check_peak_share(lambda n, u: "0.75", measured)
 
 
-def _min_units(psi, n, budget, eb):
-    import math
-
-    room = budget - eb * psi / n
-    return None if room <= 0 else max(1, math.ceil(2 * eb * psi / room))
-
-
-def _min_units_one_unit(psi, n, budget, eb):   # forgets the prefetched unit
-    import math
-
-    room = budget - eb * psi / n
-    return None if room <= 0 else max(1, math.ceil(eb * psi / room))
+def _min_units(psi, n, budget, shard_bytes, compute_bytes):
+    room = budget - shard_bytes * psi / n
+    if room <= 0:
+        return None
+    return max(1, math.ceil(2 * compute_bytes * psi / room))
 
 
-def test_min_units_check(capsys):
-    psi = 4 * (512 * 512 + 512)
-    measured = {(psi, 4, 3 * psi, 4): 4}           # shards + two of four layers
-    assert check_min_units(_min_units, measured)
-    assert "as the ledger measured" in capsys.readouterr().out
+PSI = 4 * (512 * 512 + 512)
+# what chapter 07's memory ledger measures with 4 units: shards + two layers
+PEAKS = {(PSI, 4, PSI + 2 * 4 * PSI // 4, 4, 4): 4,   # fp32 units (section 2)
+         (PSI, 4, PSI + 2 * 2 * PSI // 4, 4, 2): 4}   # bf16 units (section 4)
+
+
+def test_min_units_right_passes(capsys):
+    assert check_min_units(_min_units, PEAKS)
+    out = capsys.readouterr().out
+    assert "cases drawn this run and the 2 the memory ledger measured" in out
+    assert "70B on 64 ranks, 10 GB, bf16 units: 50 units" in out
+    assert check_min_units(lambda *case: float(_min_units(*case) or 0) or None)
     assert not check_min_units(
         lambda *a: (_ for _ in ()).throw(NotImplementedError("exercise")))
-    with pytest.raises(ExerciseError, match=r"that counts one whole unit"):
-        check_min_units(_min_units_one_unit, measured)
-    with pytest.raises(ExerciseError, match=r"expected None"):
-        check_min_units(lambda *case: _min_units(*case) or 1)
+    assert "not written yet" in capsys.readouterr().out
+
+
+def _one_unit(psi, n, budget, sb, cb):         # forgets the prefetched unit
+    room = budget - sb * psi / n
+    return None if room <= 0 else max(1, math.ceil(cb * psi / room))
+
+
+def _old_answer(psi, n, budget, sb, cb):       # the old exercise: one dtype
+    return _min_units(psi, n, budget, sb, sb)
+
+
+@pytest.mark.parametrize("fn, message", [
+    (_one_unit, r"= 25, but expected 50. That counts one whole unit"),
+    (lambda psi, n, b, sb, cb: _min_units(psi, n, b, cb, cb),
+     r"= 36, but expected 50. That counts the shards in the compute dtype"),
+    (_old_answer, r"= 100, but expected 50. That counts the gathered units in "
+                  r"shard_bytes"),
+    (lambda psi, n, b, sb, cb: math.floor(2 * cb * psi / (b - sb * psi / n)),
+     r"= 49, but expected 50. That rounds down"),
+    (lambda *case: 0, r"A model is at least one unit"),
+    (lambda *case: _min_units(*case) or 1, r"expected None: the shards alone"),
+    (lambda *case: None, r"returned None: return a whole number of units \(None "
+                         r"only when"),
+    (lambda *case: float("nan"), r"returned nan: return a whole number"),
+    (lambda psi, n, b, sb, cb: __import__("labkit.theory.zero").theory.zero.
+     zero_breakdown(psi, n, 3) and 50, r"your answer calls labkit.theory.zero."
+                                       r"zero_breakdown"),
+])
+def test_min_units_mistakes_are_named(fn, message):
+    with pytest.raises(ExerciseError, match=message):
+        check_min_units(fn)
+
+
+def test_min_units_measured_wins():
     with pytest.raises(ExerciseError, match=r"measured that peak with 5"):
-        check_min_units(_min_units, {(psi, 4, 3 * psi, 4): 5})
+        check_min_units(_min_units, {(PSI, 4, PSI + 2 * 4 * PSI // 4, 4, 4): 5})

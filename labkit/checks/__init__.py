@@ -7,8 +7,11 @@ NotImplementedError is "not written yet": the check says so and returns without
 failing the notebook (under `graded()`, an nbgrader assignment's, it fails); an
 exception, a deadlock (found after common.SHORT_TIMEOUT s) or a result of the
 wrong type, shape or dtype is one ExerciseError naming the rank and the student's
-line. May import every layer below; one module per chapter
-that has checks.
+line. A check verifies the work, not only the answer (verify.py): inputs drawn
+afresh each run, labkit's own implementation refused, messages and bytes held to
+the pattern asked for. grading.py keeps a graded notebook graded and its checks
+as labkit's files define them. May import every layer below; one module per
+chapter that has checks.
 """
 
 from labkit.checks.collectives import (
@@ -25,7 +28,11 @@ from labkit.checks.data_parallel import (
 from labkit.checks.fsdp import check_peak_share, check_zero3_hooks
 from labkit.checks.memory import check_optimizer_bytes, check_smallest_n
 from labkit.checks.networks import check_moe_combine, check_two_rings
-from labkit.checks.pipeline import check_1f1b_order, check_in_flight
+from labkit.checks.pipeline import (
+    check_1f1b_order,
+    check_bubble_budget,
+    check_in_flight,
+)
 from labkit.checks.placement import check_placement
 from labkit.checks.ring import (
     check_ring_all_gather,
@@ -36,7 +43,7 @@ from labkit.checks.sequence_parallel import (
     check_online_softmax_merge,
     check_sequence_parallel_mlp,
 )
-from labkit.checks.three_d import check_dp_bytes, check_peers, check_ring_seconds
+from labkit.checks.three_d import check_dp_bytes, check_ring_seconds
 from labkit.checks.tensor_parallel import (
     check_conjugate_operators,
     check_row_parallel_forward,
@@ -46,17 +53,17 @@ from labkit.checks.zero import SliceSGD, check_zero1_step, check_zero2_peak
 from labkit.checks.data_parallel import check_bucket_count
 from labkit.checks.fsdp import check_min_units
 from labkit.checks.placement import check_design
-from labkit.checks.tensor_parallel import check_whole_over_half
+from labkit.checks.tensor_parallel import check_tp_layer_bytes, check_whole_over_half
 from labkit.checks.three_d import check_peers_any_order, check_traffic_ratios
 from labkit.checks.zero import elements_shared
 
 from labkit.checks.expert_parallel import (
-    check_capacity_factor,
+    check_balance,
     check_dispatch,
-    check_layer_bytes,
+    check_ib_bytes,
 )
 
-from labkit.checks.sequence_parallel import check_ulysses_bytes
+from labkit.checks.sequence_parallel import check_cp_choice, check_ring_growth
 
 from labkit.checks.grading import graded, intact, remember
 
@@ -68,15 +75,16 @@ __all__ += ["check_all_to_all", "check_bytes_per_rank", "check_cheap_reduce_scat
             "check_online_softmax_merge", "check_optimizer_bytes", "check_peak_share",
             "check_ring_all_gather", "check_crossover", "check_row_parallel_forward",
             "check_sequence_parallel_mlp", "check_smallest_n", "check_two_rings"]
-__all__ += ["check_1f1b_order", "check_in_flight"]
-__all__ += ["check_dp_bytes", "check_peers", "check_ring_seconds"]
+__all__ += ["check_1f1b_order", "check_bubble_budget", "check_in_flight",
+            "check_tp_layer_bytes"]
+__all__ += ["check_dp_bytes", "check_ring_seconds"]
 __all__ += ["check_bytes_per_step", "check_zero2_peak"]
 # named by chapters (one face per layer: tests/test_public_faces.py)
 __all__ += ["check_bucket_count", "check_design", "check_min_units",
             "check_peers_any_order", "check_traffic_ratios", "check_whole_over_half",
             "elements_shared"]
-__all__ += ["check_capacity_factor", "check_dispatch", "check_layer_bytes"]
-__all__ += ["check_ulysses_bytes"]
+__all__ += ["check_balance", "check_dispatch", "check_ib_bytes"]
+__all__ += ["check_cp_choice", "check_ring_growth"]
 # an nbgrader assignment's first code cell and its locked test cells
 # (labkit/cli/assignments.py)
 __all__ += ["NotAnswered", "graded", "intact"]

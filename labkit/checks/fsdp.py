@@ -1,8 +1,8 @@
 """Chapter 07's check that runs ranks: a ZeRO-3 layer with autograd on (gather
 before forward, free after it, gather again for backward, reduce-scatter the
-gradients). The arithmetic exercises (the share of the weights a rank holds at its
-peak, the fewest units that fit) are in fsdp_arithmetic, and importable from here
-too."""
+gradients), on a layer and data drawn fresh each run, under the traffic ledger.
+The arithmetic exercises (the share of the weights a rank holds at its peak, the
+fewest units that fit) are in fsdp_arithmetic, and importable from here too."""
 
 from __future__ import annotations
 
@@ -16,19 +16,28 @@ from labkit.checks.common import (
     wrong_element,
 )
 from labkit.checks.fsdp_arithmetic import check_min_units, check_peak_share
+from labkit.checks.verify import fresh_seed, own_calls, refuse_own
 
 __all__ = ["check_min_units", "check_peak_share", "check_zero3_hooks"]
 
 IN, OUT = 10, 7  # a Linear whose weight (70) and bias (7) are not multiples of 4
+# labkit's own FSDP (its hooks, reduce-scatter) and rings: never the answer
+_OWN = ("labkit.parallel.fsdp", "labkit.parallel.fsdp_hooks",
+        "labkit.parallel.fsdp_recompute", "labkit.parallel.fsdp_accumulation",
+        "labkit.parallel.reduce_scatter", "labkit.comm.collectives")
 
 
-def _layer_and_shards(rank: int, n: int):
-    """The full Linear (the same in every process) and this rank's padded 1-D
-    shards of its weight and bias: {name: s elements}, s = ceil(numel / n)."""
+def _layer_and_shards(rank: int, n: int, seed: int):
+    """The full Linear, its weights drawn from `seed` (the same in every process),
+    and this rank's padded 1-D shards of its weight and bias: {name: s
+    elements}, s = ceil(numel / n)."""
     import torch
 
-    torch.manual_seed(0)
     full = torch.nn.Linear(IN, OUT)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.copy_(torch.rand(p.shape, generator=gen) * 2 - 1)
     shards, shapes = {}, {}
     for name, p in full.named_parameters():
         s = -(-p.numel() // n)
@@ -66,12 +75,18 @@ def _saved_watch(kept: list):
     return pack, unpack
 
 
-def _hooks_worker(rank, world_size, fn):
+def _hooks_worker(rank, world_size, fn, seed):
+    with own_calls(*_OWN) as own:
+        out = _hooks_run(rank, world_size, fn, seed)
+    return {**out, "own": list(own)}
+
+
+def _hooks_run(rank, world_size, fn, seed):
     import torch
 
     from labkit.ledger import traffic
 
-    full, shards, shapes = _layer_and_shards(rank, world_size)
+    full, shards, shapes = _layer_and_shards(rank, world_size, seed)
     shards = {k: torch.nn.Parameter(v) for k, v in shards.items()}
     layer = torch.nn.Linear(IN, OUT)
     for name in shapes:
@@ -87,7 +102,7 @@ def _hooks_worker(rank, world_size, fn):
                      for n, t in seen.items()})
 
     layer.register_forward_pre_hook(look)
-    gen = torch.Generator().manual_seed(10 + rank)
+    gen = torch.Generator().manual_seed(seed + 1 + rank)
     # an input that needs its gradient, as a middle layer's does: forward saves
     # the weight for it, so that freeing must reach what autograd holds
     x = torch.randn(3, IN, generator=gen).requires_grad_()
@@ -113,7 +128,7 @@ def _hooks_worker(rank, world_size, fn):
         out = out.detach()
     grads = {n: None if s.grad is None else s.grad.detach().clone()
              for n, s in shards.items()}
-    ops = set()
+    ops = []
     if backward == "ok":
         # two more steps: one as autograd runs it (saved-tensor hooks turn off
         # its check that nothing it saved was edited in place), one in the
@@ -129,7 +144,7 @@ def _hooks_worker(rank, world_size, fn):
     if backward == "ok":
         with traffic() as t:
             layer(x).backward(g)
-        ops = set(t.by_op())
+        ops = [(r.op, r.elements) for r in t.records]
     ref = {}
     for dtype in (torch.float32, torch.float64):  # this rank's whole gradients
         f = copy.deepcopy(full).to(dtype)
@@ -157,12 +172,20 @@ def check_zero3_hooks(cluster, fn) -> bool:
     before the layer's backward gather it again; and put the mean over the ranks
     of piece r of each whole gradient in rank r's shards[name].grad. A mistake is
     reported by rank, tensor and first wrong element, or by what was still held
-    after forward, or by what backward found freed.
+    after forward, or by what backward found freed. The layer and the data are
+    drawn fresh each run; then each rank is held to the collectives of a step
+    (the traffic ledger's): an all-gather of every parameter for forward and
+    again for backward (the bias may be left out of the second: backward does
+    not read it), a reduce-scatter of every whole gradient (on gloo an
+    all-to-all and a local sum), nothing else; labkit's own FSDP is refused.
     """
-    res = run_answer(cluster, _hooks_worker, fn, what="ZeRO-3 hooks")
+    seed = fresh_seed()
+    res = run_answer(cluster, _hooks_worker, fn, seed, what="ZeRO-3 hooks")
     if res is None:
         return NOT_YET
     n = cluster.world_size
+    for rank, r in enumerate(res):
+        refuse_own(f"rank {rank}", r["own"], "FSDP (or ring)")
     for rank, r in enumerate(res):
         if "seen" not in r:
             raise ExerciseError(
@@ -193,18 +216,52 @@ def check_zero3_hooks(cluster, fn) -> bool:
                 "into `full.data` (the same storage, which autograd does not count "
                 "as an edit of what it saved)")
     _check_gradients(res, n)
-    allowed = {"all_gather", "all_to_all", "reduce_scatter"}
+    padded = {k: n * -(-v.numel() // n) for k, v in res[0]["want"].items()}
     for rank, r in enumerate(res):
-        if r["ops"] - allowed:
-            raise ExerciseError(
-                f"rank {rank}: the values are right, but it used "
-                f"{sorted(r['ops'] - allowed)}: an all-gather brings every shard "
-                "to every rank, and a reduce-scatter (on gloo: an all-to-all and "
-                "a sum) brings each rank its piece of the summed gradients only")
-    print("correct: every rank gathered the weight and bias in rank order, freed "
-          "their storage after forward (autograd held nothing whole), gathered "
-          "again for backward, and kept its piece of the averaged gradients")
+        _zero3_calls(rank, r["ops"], padded)
+    gathered = sum(k for op, k in res[0]["ops"] if op == "all_gather")
+    print("correct: on a layer and data drawn this run, every rank gathered the "
+          "weight and bias in rank order, freed their storage after forward "
+          "(autograd held nothing whole), gathered again for backward, and kept "
+          "its piece of the averaged gradients; measured on every rank, a step: "
+          f"all-gathers of {gathered} elements, a reduce-scatter of "
+          f"{_sum_text(padded, 1)}, nothing else")
     return PASSED
+
+
+def _sum_text(padded: dict, times: int) -> str:
+    terms = " + ".join(str(v) for v in padded.values())
+    return terms if times == 1 else f"{times} × ({terms})"
+
+
+def _zero3_calls(rank: int, calls, padded: dict) -> None:
+    """A step's collectives, after the values: all-gathers of every (padded)
+    parameter in forward and of at least the weight again in backward, a
+    reduce-scatter of every whole gradient."""
+    where = f"rank {rank}, the values are right, but"
+    ops = [op for op, _ in calls if op != "barrier"]
+    other = sorted(set(ops) - {"all_gather", "all_to_all", "reduce_scatter"})
+    if other:
+        raise ExerciseError(
+            f"{where} it used {other}: an all-gather brings every shard to every "
+            "rank, and a reduce-scatter (on gloo: an all-to-all and a local sum) "
+            "brings each rank its piece of the summed gradients only"
+            + (", where an all-reduce sends every rank all of them"
+               if "all_reduce" in other else ""))
+    total = sum(padded.values())
+    gathered = sum(k for op, k in calls if op == "all_gather")
+    scattered = sum(k for op, k in calls if op in ("all_to_all", "reduce_scatter"))
+    if not total + padded["weight"] <= gathered <= 2 * total:
+        raise ExerciseError(
+            f"{where} its all-gathers carried {gathered} elements in a step; a "
+            f"ZeRO-3 layer gathers each parameter ({_sum_text(padded, 1)} padded "
+            "elements) for forward and again, after freeing it, for backward "
+            f"(the weight at least): {total + padded['weight']} to {2 * total}")
+    if scattered != total:
+        raise ExerciseError(
+            f"{where} its reduce-scatters carried {scattered} elements in a step; "
+            f"each whole gradient goes once, {_sum_text(padded, 1)} = {total} "
+            "padded elements")
 
 
 def _check_forward(rank: int, r: dict, n: int) -> None:
@@ -278,7 +335,10 @@ def _check_gradients(res: list, n: int) -> None:
                     f"rank {rank}: shards['{name}'].grad has shape "
                     f"{tuple(got.shape)}, expected {tuple(want.shape)}: this "
                     "rank's piece only, padding included")
-            bad = wrong_element(got, want, exact)
+            # the mean cancels: a right answer rounds by units of the ranks'
+            # own gradients (the terms), not of the small mean
+            terms = max(r["ref64"][name].abs().max().item() for r in res)
+            bad = wrong_element(got, want, exact, scale=terms)
             if bad is not None:
                 i, g, e, tol = bad
                 hint = ("that is N times the mean: divide the sum by N" if

@@ -1,9 +1,17 @@
 """Chapter 08's checks: place a strategy (P, O, G, A and its collectives) and
 predict its bytes, or design one that fits a budget; the check says which state,
-which collective, which number or which limit is wrong."""
+which collective, which number or which limit is wrong.
+
+`check_design` runs the student's placement itself, on the ranks, on the
+chapter's model and on two shapes of it drawn fresh each run: the predicted
+bytes must be a formula of the shape (a number read off the chapter's runs
+fails the next shape), and labkit's calculator and any measuring while the
+answer runs are refused.
+"""
 
 from __future__ import annotations
 
+import random
 
 from labkit.checks.common import (
     NOT_WRITTEN,
@@ -12,8 +20,11 @@ from labkit.checks.common import (
     PASSED,
     ExerciseError,
     call_answer,
+    finite,
     is_number,
+    labkit_cluster,
 )
+from labkit.checks.verify import fresh_seed, own_calls, refuse_own
 from labkit.conventions import STATE_LETTERS
 from labkit.theory import Placement
 
@@ -45,6 +56,7 @@ def _compare_bytes(what: str, predicted: dict, measured: dict, rel: float,
         guess = predicted[key]
         if not is_number(guess):
             raise ExerciseError(f"{what}: {key} must be a number, got {guess!r}")
+        finite(f"{what}: {key}", float(guess))
         tol = 0 if key in exact else rel * max(abs(got), 1)
         if abs(guess - got) > tol:
             label = (f"bytes of {STATE_LETTERS[key]}" if key in STATE_LETTERS
@@ -105,58 +117,255 @@ def check_placement(what: str, yours, predicted, want: Placement, measured: dict
     return PASSED
 
 
-def check_design(what: str, yours, budget: dict, run, *, fixed: dict | None = None,
-                 rel: float = 0.01) -> bool:
-    """A placement designed to fit a budget, and its bytes predicted.
+# ------------------------------------------------------------ design for a budget
 
-    `yours`: the student's function returning (Placement, predicted), predicted a
-    dict with DESIGN_KEYS: "P", "O", "G", "A" the bytes one rank holds on the
-    device (P and O after the step, G at its peak, A when forward ends), "sent"
-    the bytes it sends per step and "pcie" the bytes it moves to or from host
-    memory per step. `budget`: the most "device" (P + O + G + A), "sent" and
-    "pcie" may be (a missing or None limit: none); sent gets `rel` more, for
-    gloo's headers. `fixed`: states whose mode is prescribed, e.g. {"A":
-    "Replicated"}. `run(placement)` runs it on the ranks and returns the
-    measured dict (same keys); it raises ValueError for a placement it cannot
-    run, and the message is passed on. Any placement that trains correctly, fits
-    and is predicted right passes: held bytes and pcie to the byte, sent within
-    `rel`."""
-    answer = _answer_pair(what, yours)
+CHAPTER_SHAPE = (512, 8)  # chapter 08: four Linear(512, 512), 32 rows over 4 ranks
+MiB = 2**20
+# labkit's calculator, anything that measures, and this check's runner: never
+# part of a prediction
+_OWN_DESIGN = ("labkit.theory.placement:Placement.cost",
+               "labkit.runtime.cluster:Cluster.run", "labkit.ledger.memory_ledger",
+               "labkit.ledger.traffic_ledger", "labkit.checks.placement:_measure")
+RUNS = ("P Replicated; O Replicated, Sharded or Offloaded; G Replicated or Sharded "
+        "(Sharded reduce-scatters); A Replicated or Materialized")
+
+
+def _runnable(pl: Placement) -> bool:
+    """What _measure builds: the placements chapter 08's `make` builds."""
+    return (pl.P == "Replicated" and pl.O in ("Replicated", "Sharded", "Offloaded")
+            and pl.G in ("Replicated", "Sharded")
+            and pl.A in ("Replicated", "Materialized")
+            and not (pl.G == "Sharded" and pl.resolved_grad_sync() != "reduce_scatter"))
+
+
+def _measure(rank, world_size, modes, grad_sync, width, rows):
+    """One step of chapter 08's model (four Linear(width, width), GELU between,
+    fp32 Adam, `rows` rows a rank) placed as `modes` says, inside the memory
+    ledger, and one inside the traffic ledger: what one rank holds and moves."""
+    from collections import OrderedDict
+    from functools import partial
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from labkit.ledger import memory, traffic
+    from labkit.parallel import OffloadedOptimizer, ShardedOptimizer, checkpoint
+
+    _, opt_mode, grad_mode, act_mode = modes  # O, G, A
+    torch.manual_seed(0)
+    parts = []
+    for i in range(1, 5):
+        parts += [(f"L{i}", torch.nn.Linear(width, width)), (f"gelu{i}",
+                                                             torch.nn.GELU())]
+    model = torch.nn.Sequential(OrderedDict(parts[:-1]))
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(rows, width, generator=g) for _ in range(2))
+    adam = torch.optim.Adam
+    if opt_mode == "Offloaded":  # Adam's slice, and its step, in host memory
+        adam = partial(OffloadedOptimizer, optimizer_cls=adam)
+    if opt_mode == "Replicated":
+        opt = adam(model.parameters())
+    elif grad_mode == "Sharded":  # ZeRO-2: one layer a bucket
+        opt = ShardedOptimizer(model.parameters(), adam, stage=2, gather="all_gather",
+                               bucket_mb=4 * (width * width + width) / MiB)
+    else:  # ZeRO-1
+        opt = ShardedOptimizer(model.parameters(), adam, stage=1, gather="all_gather",
+                               reduce_scatter_gradients=grad_sync == "reduce_scatter")
+    if act_mode == "Materialized":  # a checkpointed block per layer
+        model = checkpoint(model, every=2)
+    forward = []
+
+    def step(mem=None):
+        opt.zero_grad()
+        out = model(x)
+        if mem is not None:
+            forward.append(mem.peak["Activation"])
+        F.mse_loss(out, y).backward()
+        if grad_sync == "all_reduce":
+            for p in model.parameters():
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        opt.step()
+
+    with memory(model, opt) as mem:
+        step(mem)
+    with traffic() as sent:
+        step()
+    return dict(P=mem.current["Parameter"], O=mem.current["Optstate"],
+                G=mem.peak["Gradient"], A=forward[0],
+                sent=sum(r.bus_bytes for r in sent.records),
+                pcie=opt.optim.bytes_moved[-1] if opt_mode == "Offloaded" else 0)
+
+
+def _shapes(seed: int) -> list[tuple[int, int]]:
+    """The chapter's shape, then two drawn from `seed`: widths that are
+    multiples of 4 (every slice whole), a few rows a rank."""
+    rng = random.Random(seed)
+    out = [CHAPTER_SHAPE]
+    while len(out) < 3:
+        shape = (4 * rng.randint(16, 80), rng.randint(2, 12))
+        if shape not in out:
+            out.append(shape)
+    return out
+
+
+def _design_answer(what: str, fn, width: int, rows: int, n: int):
+    """The student's (Placement, predicted) for one shape; NOT_WRITTEN for a stub."""
+    where = f"{what}, width {width}, {rows} rows a rank"
+    with own_calls(*_OWN_DESIGN) as own:
+        answer = call_answer(fn, width, rows, n, what=f"{what} answer")
+    if own:
+        measured = own[0].split(".")[-1] != "cost"
+        refuse_own(where, own, "calculator (derive the bytes from the modes)"
+                   if not measured else "runner or ledgers (a prediction is "
+                   "computed before anything runs, not measured)")
     if answer is NOT_WRITTEN:
-        return NOT_YET
+        return answer
+    if not (isinstance(answer, tuple) and len(answer) == 2):
+        raise ExerciseError(f"{where}: return a pair (Placement(...), dict of "
+                            f"predicted bytes), not {answer!r}")
     pl, predicted = answer
     if not isinstance(pl, Placement):
-        raise ExerciseError(f"{what}: expected a labkit.theory.Placement, got {pl!r}")
+        raise ExerciseError(f"{where}: expected a labkit.theory.Placement, got "
+                            f"{pl!r}")
+    if not isinstance(predicted, dict) or set(predicted) != set(DESIGN_KEYS):
+        raise ExerciseError(f"{where}: predict the bytes as a dict with keys "
+                            f"{', '.join(DESIGN_KEYS)}, not {predicted!r}")
+    for key in DESIGN_KEYS:
+        if not is_number(predicted[key]):
+            raise ExerciseError(f"{where}: {key} must be a number of bytes, got "
+                                f"{predicted[key]!r}")
+        finite(f"{where}: {key}", float(predicted[key]))
+    return pl, predicted
+
+
+def _design_hint(key: str, guess: float, got: float, width: int, rows: int,
+                 n: int, first: dict | None) -> str:
+    """Why a prediction is off, where it is a usual mistake."""
+    layer = width * width + width
+    psi, unit = 4 * layer, rows * width * 4
+    if first is not None and guess == first[key] and guess != got:
+        return (f"; that is the {key} measured at width {CHAPTER_SHAPE[0]}: the "
+                "prediction must follow width, rows and n, not a number read off "
+                "the chapter's runs")
+    near = {
+        "P": {2 * psi: "this model trains in fp32: 4 bytes a parameter, Ψ = "
+              "4(width² + width) parameters"},
+        "O": {12 * psi // n: "fp32 Adam keeps m and v, 8 bytes a parameter "
+              "(mixed precision's 12 adds a master copy this model does not "
+              "have)", 12 * psi: "fp32 Adam keeps m and v, 8 bytes a parameter"},
+        "G": {got - 4 * layer: "the gradient bucket in flight: backward fills one "
+              "layer's whole gradients, 4(width² + width) bytes, before they are "
+              "reduce-scattered"},
+        "A": {7 * unit: "checkpointing per layer keeps the 4 layer outputs, 4 of "
+              "the 7 activations forward saves", 4 * unit: "A Replicated keeps all "
+              "7 activations forward saves, 4·rows·width bytes each"},
+        "sent": {(n - 1) / n * 4 * psi: "a reduce-scatter and an all-gather (or "
+                 "an all-reduce, which is both) send (N-1)/N of the model each",
+                 2 * 4 * psi: "a ring sends (N-1)/N of the payload per pass, not "
+                 "all of it"},
+        "pcie": {4 * psi // n: "the gradient slice goes down to the host and the "
+                 "updated parameter slice comes back up: (4 + 4)Ψ/N"},
+    }
+    for value, why in near.get(key, {}).items():
+        if value != got and abs(guess - value) <= 1e-9 * max(abs(value), 1):
+            return f"; {why}"
+    off = guess - got
+    if 0 < abs(off) <= 64:
+        return "; count every small tensor too (a step counter is 4 bytes)"
+    if got == 0:
+        return f"; the ledgers measured none ({off:+,.0f} bytes)"
+    return f" ({guess / got:.3g}×)"
+
+
+def check_design(what: str, cluster, fn, *, device_mib: float,
+                 pcie: float | None = None, fixed: dict | None = None) -> bool:
+    """A placement designed to fit a budget, and its bytes predicted.
+
+    `fn(width, rows, n)` returns (Placement, predicted) for chapter 08's model,
+    four Linear(width, width) with GELU between, fp32 Adam, `rows` rows on each
+    of n ranks: predicted a dict with DESIGN_KEYS, "P", "O", "G", "A" the bytes
+    one rank holds on the device (P and O after the step, G at its peak, A when
+    forward ends), "sent" the bytes it sends per step as a ring counts them
+    (the ledger's bus bytes, without gloo's headers) and "pcie" the bytes it
+    moves to or from host memory per step. The check runs the placement on the
+    ranks at the chapter's shape (width 512, 8 rows), where it must fit the
+    budget: at most `device_mib` MiB on the device (P + O + G + A), DP's
+    traffic, at most `pcie` bytes over PCIe (None: no limit); `fixed`: states
+    whose mode is prescribed, e.g. {"A": "Replicated"}. Then at two shapes drawn
+    fresh each run, the same placement. Every prediction must match the ledgers
+    (to a float's rounding). While `fn` runs, labkit's calculator
+    (Placement.cost) and anything that measures are refused."""
+    n = cluster.world_size
+    shapes = _shapes(fresh_seed())
+    answers = []
+    for width, rows in shapes:
+        answer = _design_answer(what, fn, width, rows, n)
+        if answer is NOT_WRITTEN:
+            return NOT_YET
+        answers.append(answer)
+    pl = answers[0][0]
     for s, mode in (fixed or {}).items():
         if getattr(pl, s) != mode:
             raise ExerciseError(f"{what}: {s} ({STATE_LETTERS[s]}) must be {mode} "
                                 f"here, not {getattr(pl, s)}")
-    verdict = pl.check()
+    verdict = pl.check(k=8)
     if not verdict.ok:
         raise ExerciseError(f"{what}: this placement does not train what one "
                             f"process trains: {'; '.join(verdict.problems)}")
-    if not isinstance(predicted, dict) or set(predicted) != set(DESIGN_KEYS):
-        raise ExerciseError(f"{what}: predict the bytes as a dict with keys "
-                            f"{', '.join(DESIGN_KEYS)}, not {predicted!r}")
-    try:
-        measured = run(pl)
-    except ValueError as e:
-        raise ExerciseError(f"{what}: {e}") from None
+    if not _runnable(pl):
+        raise ExerciseError(f"{what}: this chapter cannot run P {pl.P}, O {pl.O}, "
+                            f"G {pl.G}, A {pl.A} (gradients by "
+                            f"{pl.resolved_grad_sync()}); it runs {RUNS}")
+    for (width, rows), (other, _) in zip(shapes[1:], answers[1:]):
+        if other != pl:
+            raise ExerciseError(
+                f"{what}: at width {width}, {rows} rows your design is {other}, at "
+                f"the chapter's shape {pl}; the budget picks one design, and its "
+                "bytes follow the shape")
+    first = None
+    for (width, rows), (_, predicted) in zip(shapes, answers):
+        measured = labkit_cluster(cluster).run(
+            _measure, tuple(getattr(pl, s) for s in "POGA"),
+            pl.resolved_grad_sync(), width, rows)[0]
+        if first is None:
+            _fits(what, measured, n, device_mib, pcie)
+        for key in DESIGN_KEYS:
+            guess, got = float(predicted[key]), measured[key]
+            if not abs(guess - got) <= 1e-9 * max(abs(got), 1):
+                label = (f"bytes of {STATE_LETTERS[key]}" if key in STATE_LETTERS
+                         else LABELS[key])
+                raise ExerciseError(
+                    f"{what}, width {width}, {rows} rows a rank: you predicted "
+                    f"{guess:,.0f} {label} ({key}); the ledgers measured {got:,.0f}"
+                    + _design_hint(key, guess, got, width, rows, n, first))
+        if first is None:
+            first = measured
+    device = sum(first[s] for s in "POGA")
+    held = ", ".join(f"{k} {first[k]:,.0f}" for k in DESIGN_KEYS)
+    print(f"{what}: fits ({device:,.0f} of {device_mib * MiB:,.0f} bytes on the "
+          f"device at width {CHAPTER_SHAPE[0]}), and every byte you predicted is "
+          f"what the ledgers measured, there and at widths {shapes[1][0]} and "
+          f"{shapes[2][0]} (drawn this run); at width {CHAPTER_SHAPE[0]}: {held}")
+    return PASSED
+
+
+def _fits(what: str, measured: dict, n: int, device_mib: float,
+          pcie: float | None) -> None:
+    """The budget at the chapter's shape: device bytes, DP's traffic, PCIe."""
+    width = CHAPTER_SHAPE[0]
+    psi = 4 * (width * width + width)
+    dp = 2 * (n - 1) * 4 * psi / n  # DP's ring all-reduce of 4Ψ bytes
     device = sum(measured[s] for s in "POGA")
     held = ", ".join(f"{s} {measured[s]:,.0f}" for s in "POGA")
-    for key, got, slack in (("device", device, 0), ("sent", measured["sent"], rel),
-                            ("pcie", measured["pcie"], 0)):
-        limit = budget.get(key)
-        if limit is not None and got > limit * (1 + slack):
-            extra = f" ({held})" if key == "device" else ""
-            amount = (f"holds {got:,.0f} bytes on the device{extra}" if key ==
+    for key, got, limit in (("device", device, device_mib * MiB),
+                            ("sent", measured["sent"], dp),
+                            ("pcie", measured["pcie"], pcie)):
+        if limit is not None and got > limit * (1 + 1e-12):
+            amount = (f"holds {got:,.0f} bytes on the device ({held})" if key ==
                       "device" else f"moves {got:,.0f} {LABELS[key]}")
+            allows = (f"{limit:,.0f} ({device_mib} MiB)" if key == "device" else
+                      f"{limit:,.0f} (DP's)" if key == "sent" else f"{limit:,.0f}")
             raise ExerciseError(
                 f"{what}: measured on the ranks, your placement {amount}; the "
-                f"budget allows {limit:,.0f}: which state could live elsewhere?")
-    _compare_bytes(what, predicted, {k: measured[k] for k in DESIGN_KEYS}, rel,
-                   exact=("P", "O", "G", "A", "pcie"))
-    print(f"{what}: fits ({device:,.0f} of {budget['device']:,.0f} bytes on the "
-          f"device) and your bytes are right ({held}, sent {measured['sent']:,.0f},"
-          f" PCIe {measured['pcie']:,.0f})")
-    return PASSED
+                f"budget allows {allows}: which state could live elsewhere?")
