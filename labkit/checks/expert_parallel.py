@@ -116,7 +116,10 @@ def _routing(seed: int, n: int):
             scores[:, b] += 0.3
             chosen.append(scores.topk(K, dim=-1).indices)  # (T, K), never twice
         kept = [_kept(c, cap) for c in chosen]
-        if all(len(k) < T * K for k in kept) and any(
+        # every rank drops pairs, even at one more per expert (so that mistake
+        # shows as the wrong pairs, not as nothing dropped), and serving first
+        # choices first matters somewhere
+        if all(len(_kept(c, cap + 1)) < T * K for c in chosen) and any(
                 k != _kept(c, cap, token_major=True) for k, c in zip(kept, chosen)):
             return chosen, cap
     raise RuntimeError("no routing drawn where capacity and priority matter")
