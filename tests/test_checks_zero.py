@@ -96,6 +96,52 @@ def _zero1_nan(rank, world_size, a, e, sgd):
     a[0] = float("nan")
 
 
+def _zero1_summed(rank, world_size, a, e, sgd):
+    s = a.numel() // world_size
+    g = torch.empty(s, dtype=a.dtype)
+    dist.reduce_scatter_single(g, e)                        # a sum, not an average
+    mine = a[rank * s:(rank + 1) * s]
+    sgd(mine, g)
+    dist.all_gather_single(a, mine.clone())
+
+
+def _zero1_no_gather(rank, world_size, a, e, sgd):
+    s = a.numel() // world_size
+    g = torch.empty(s, dtype=a.dtype)
+    dist.reduce_scatter_single(g, e, op=dist.ReduceOp.AVG)
+    sgd(a[rank * s:(rank + 1) * s], g)                      # and nobody else hears
+
+
+def _zero1_all_reduce(rank, world_size, a, e, sgd):
+    s = a.numel() // world_size
+    dist.all_reduce(e, op=dist.ReduceOp.AVG)                # right values, 3(N-1)/N
+    mine = a[rank * s:(rank + 1) * s]
+    sgd(mine, e[rank * s:(rank + 1) * s])
+    dist.all_gather_single(a, mine.clone())
+
+
+def _zero1_todo(rank, world_size, a, e, sgd):
+    raise NotImplementedError
+
+
+def test_zero1_stub_sum_missing_gather_and_all_reduce(cluster, capsys):
+    assert not check_zero1_step(cluster, _zero1_todo)
+    assert "not written yet" in capsys.readouterr().out
+    # 1021 elements on 4 ranks: slices of s = 256, the last padded with 3 zeros
+    summed = (r"step 1, rank 0, tensor C \(the momentum of rank 0's slice\), element "
+              r"0 .*got .*, expected .*; it was updated with the sum over ranks, not "
+              r"the average")
+    with pytest.raises(ExerciseError, match=summed):
+        check_zero1_step(cluster, _zero1_summed)
+    stale = (r"step 1, rank 0, tensor a \(the parameters\), element 256 \(in rank "
+             r"1's slice \[256, 512\)\): .* the all-gather did not bring rank 1's")
+    with pytest.raises(ExerciseError, match=stale):
+        check_zero1_step(cluster, _zero1_no_gather)
+    with pytest.raises(ExerciseError, match=r"rank 0: the values are right, "
+                                            r"but it all-reduced"):
+        check_zero1_step(cluster, _zero1_all_reduce)
+
+
 def test_zero1_shortcuts_wrong_slice_wrong_shape_and_deadlock(cluster, capsys):
     assert check_zero1_step(cluster, _zero1)
     assert check_zero1_step(cluster, _zero1_all_to_all)  # gloo's way: the same
