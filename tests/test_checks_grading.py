@@ -171,3 +171,47 @@ def test_a_cluster_whose_run_was_replaced_on_it_is_refused(cluster):
             check_ring_reduce_scatter(cluster, lambda r, n, c: None)
     finally:
         del cluster.run
+
+
+def test_a_number_past_floats_range_is_a_wrong_answer():
+    """10**400 is an int Python holds, but no float: it is said, not an
+    OverflowError from inside labkit."""
+    with pytest.raises(ExerciseError, match=r"x: a number with 401 digits is past "
+                                            r"any float"):
+        check_answer("x", 10**400, 3.0)
+
+
+def _answer_checks():
+    """Every check whose one argument is the student's function (no ranks)."""
+    import inspect
+
+    out = []
+    for name in CHECKS:
+        f = getattr(labkit.checks, name)
+        need = [p for p in inspect.signature(f).parameters.values()
+                if p.default is p.empty and p.kind is not p.VAR_KEYWORD]
+        if len(need) == 1:
+            out.append(name)
+    return out
+
+
+_SHAPES = {"a number": lambda b: b, "a pair": lambda b: (b, b),
+           "a list": lambda b: [b] * 3, "a method and bytes": lambda b: ("ring", b),
+           "a dict": lambda b: dict.fromkeys(("server", "worker", "ring", "tp", "pp",
+                                              "cp", "dp"), b)}
+
+
+@pytest.mark.parametrize("name", _answer_checks())
+def test_nan_inf_and_numbers_past_float_are_wrong_in_every_shape(name):
+    """What a function answer returns, NaN, inf, -1e300 or 10**400 in any shape
+    a check expects, is an ExerciseError that says so, never a crash inside
+    labkit (an OverflowError, a ValueError) and never a pass."""
+    check = getattr(labkit.checks, name)
+    for bad in (float("nan"), float("inf"), -1e300, 10**400):
+        for shape, make in _SHAPES.items():
+            value = make(bad)
+            try:
+                check(lambda *a, **k: value)  # noqa: B023 (called right here)
+            except ExerciseError:
+                continue
+            pytest.fail(f"{name} passed {shape} of {bad!r:.12}")

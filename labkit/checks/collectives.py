@@ -360,6 +360,7 @@ def check_bytes_per_rank(fn) -> None:
             return
         within, between = _two_level(size, a, b)
         if is_number(got):
+            finite(call, got)
             total = 2 * (a * b - 1) / (a * b) * size
             raise ExerciseError(
                 f"{call}: got the one number {got!r}; return the pair (bytes "
@@ -372,7 +373,7 @@ def check_bytes_per_rank(fn) -> None:
         for part, yours, want in (("within", got[0], within),
                                   ("between", got[1], between)):
             what = f"{call}, bytes {part} {'its node' if part == 'within' else 'nodes'}"
-            finite(what, float(yours))
+            finite(what, yours)
             # a formula in float64: another order of the same operations differs
             # in the 16th digit; 1e-9 relative absorbs that and nothing else
             if not abs(yours - want) <= 1e-9 * max(want, 1):

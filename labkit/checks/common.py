@@ -170,13 +170,23 @@ def number_text(x: float, what: str) -> str:
     six significant digits: never 3.52322e+08 for a count a student typed (bytes
     from 1 KiB up are shown whole: a fraction of a byte there is rounding)."""
     is_bytes = "byte" in what.lower()
-    whole = (float(x).is_integer() or is_bytes and abs(x) >= 1024) and abs(x) < 1e18
+    whole = (is_whole(x) or is_bytes and abs(x) >= 1024) and abs(x) < 1e18
     text = f"{x:,.0f}" if whole else f"{x:,.6g}"
     if is_bytes:
         from labkit.units import human_bytes
 
         text += f" B ({human_bytes(x)})" if abs(x) >= 1024 else " B"
     return text
+
+
+def is_whole(x) -> bool:
+    """A student's number that is a whole number (4, 4.0, numpy's 4; not NaN,
+    inf or True), however large."""
+    if not is_number(x):
+        return False
+    if isinstance(x, numbers.Integral):
+        return True
+    return is_finite(x) and float(x).is_integer()
 
 
 def is_number(x) -> bool:
@@ -186,13 +196,26 @@ def is_number(x) -> bool:
 
 
 def finite(what: str, x) -> None:
-    """ExerciseError if the number x is NaN or infinite: never a right answer
-    (a NaN compares False with everything, so `abs(x - want) > tol` passes it)."""
-    import math
-
-    if not math.isfinite(x):
+    """ExerciseError if the number x is NaN, infinite or past float's range: never
+    a right answer (a NaN compares False with everything, so `abs(x - want) >
+    tol` passes it)."""
+    if isinstance(x, numbers.Integral) and not is_finite(x):
+        raise ExerciseError(f"{what}: a number with {len(str(abs(x)))} digits is "
+                            "past any float (about 1.8e308): compute it from the "
+                            "inputs")
+    if not is_finite(x):
         raise ExerciseError(f"{what}: {x!r} is not a number an answer can be "
                             "(NaN or infinite); compute it from the inputs")
+
+
+def is_finite(x) -> bool:
+    """A number a float can hold: not NaN, not inf, not an int past 1.8e308."""
+    import math
+
+    try:
+        return math.isfinite(x)
+    except (OverflowError, TypeError):
+        return False
 
 
 def check_answer(what: str, yours, expected, hint: str = "", rel: float = 1e-9) -> None:

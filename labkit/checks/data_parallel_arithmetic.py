@@ -17,6 +17,7 @@ from labkit.checks.common import (
     call_answer,
     finite,
     is_number,
+    is_whole,
 )
 from labkit.checks.verify import fresh_seed, own_calls, refuse_own
 
@@ -106,7 +107,7 @@ def check_bytes_per_step(fn, measured: dict | None = None) -> bool:
             value = got[key]
             if not is_number(value):
                 raise ExerciseError(f"{where}[{key!r}] is {value!r}, not a number")
-            finite(f"{where}[{key!r}]", float(value))
+            finite(f"{where}[{key!r}]", value)
             for i, b in enumerate((seen or {}).get(key, [])):  # rank by rank
                 if abs(value - b) > 0.01 * b:
                     who = (f"rank {i}, a shard's" if key == "server" else
@@ -224,7 +225,7 @@ def check_bucket_count(fn, measured: dict | None = None) -> bool:
         refuse_own(where, own, "bucket builder (or this check's reference)")
         if got is NOT_WRITTEN:
             return NOT_YET
-        if not is_number(got) or not float(got).is_integer():
+        if not is_whole(got):
             raise ExerciseError(f"{where} returned {got!r}: return a whole number "
                                 "of buckets")
         got = int(got)

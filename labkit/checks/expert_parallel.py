@@ -772,7 +772,7 @@ def check_ib_bytes(fn) -> bool:
         if not is_number(got):
             raise ExerciseError(f"{where}: expected a number of bytes, got "
                                 f"{type(got).__name__} {got!r}")
-        finite(where, float(got))
+        finite(where, got)
         want = float(_ib_bytes(*case))
         # float64 against the exact Fraction: another order of the same
         # operations differs in the 16th digit; 1e-9 relative absorbs only that

@@ -14,7 +14,7 @@ from labkit.checks.common import (
     PASSED,
     ExerciseError,
     call_answer,
-    is_number,
+    is_whole,
 )
 from labkit.checks.verify import fresh_seed, own_calls, refuse_own
 
@@ -120,7 +120,7 @@ def check_min_units(fn, measured: dict | None = None) -> bool:
                     f"shard_bytes·psi/n = {sb * psi / n:,.6g} bytes, already fill "
                     "the budget, so no number of units is enough")
             continue
-        if got is None or not is_number(got) or not float(got).is_integer():
+        if got is None or not is_whole(got):
             raise ExerciseError(
                 f"{where} returned {got!r}: return a whole number of units" + (
                     f" (None only when the shards alone, {sb * psi / n:,.6g} "

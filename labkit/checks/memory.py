@@ -16,7 +16,9 @@ from labkit.checks.common import (
     PASSED,
     ExerciseError,
     call_answer,
+    is_finite,
     is_number,
+    is_whole,
     run_answer,
 )
 from labkit.checks.verify import fresh_seed, own_calls, refuse_own
@@ -111,7 +113,7 @@ def check_optimizer_bytes(cluster, make_optimizer, predicted) -> bool:
                                 f"{', '.join(map(repr, MODEL_STATES))}, bytes per "
                                 "parameter each")
         for cat in MODEL_STATES:
-            if not is_number(p[cat]) or not math.isfinite(p[cat]):
+            if not is_number(p[cat]) or not is_finite(p[cat]):
                 raise ExerciseError(f"{call}[{cat!r}] should be a number of bytes "
                                     f"per parameter, got {p[cat]!r}")
         guesses.append(p)
@@ -236,8 +238,7 @@ def check_smallest_n(fn, capacity: float | None = None) -> bool:
             refuse_own(call, own, "smallest N (this check's reference)")
             if got is NOT_WRITTEN:
                 return NOT_YET
-            if got is not None and (not is_number(got) or not math.isfinite(got)
-                                    or got != int(got)):
+            if got is not None and not is_whole(got):
                 raise ExerciseError(f"{call} returned {got!r}: return a whole number "
                                     "of devices, or None when no N fits")
             if got == want:

@@ -387,7 +387,7 @@ def _measure_worker(rank, world_size, cases, seed):
 
 
 def _compare_count(case: str, guess, want, hint: str) -> None:
-    finite(case, float(guess))
+    finite(case, guess)
     if guess != want:
         raise ExerciseError(f"{case}: you predicted {guess}, {want} expected{hint}")
 
@@ -525,7 +525,7 @@ def check_bubble_budget(fn) -> bool:
             if not is_number(v):
                 raise ExerciseError(f"{where}: {name} must be a number, got "
                                     f"{_shown(v)} ({type(v).__name__})")
-            finite(f"{where}: {name}", float(v))
+            finite(f"{where}: {name}", v)
         if m != want_m:
             raise ExerciseError(f"{where}: m = {m}, expected {want_m}"
                                 + _m_hint(p, percent, m))

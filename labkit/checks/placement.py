@@ -56,7 +56,7 @@ def _compare_bytes(what: str, predicted: dict, measured: dict, rel: float,
         guess = predicted[key]
         if not is_number(guess):
             raise ExerciseError(f"{what}: {key} must be a number, got {guess!r}")
-        finite(f"{what}: {key}", float(guess))
+        finite(f"{what}: {key}", guess)
         tol = 0 if key in exact else rel * max(abs(got), 1)
         if abs(guess - got) > tol:
             label = (f"bytes of {STATE_LETTERS[key]}" if key in STATE_LETTERS
@@ -235,7 +235,7 @@ def _design_answer(what: str, fn, width: int, rows: int, n: int):
         if not is_number(predicted[key]):
             raise ExerciseError(f"{where}: {key} must be a number of bytes, got "
                                 f"{predicted[key]!r}")
-        finite(f"{where}: {key}", float(predicted[key]))
+        finite(f"{where}: {key}", predicted[key])
     return pl, predicted
 
 

@@ -429,7 +429,7 @@ def check_ring_growth(fn) -> bool:
             raise ExerciseError(f"{where}: expected two numbers (block_growth, "
                                 f"chunk_growth), got {got!r}")
         for which, x, want in zip(("block", "chunk"), got, _growth(s, n_from, n_to)):
-            finite(f"{where}, {which} growth", float(x))
+            finite(f"{where}, {which} growth", x)
             if not abs(x - want) <= 1e-9 * want:
                 raise ExerciseError(
                     f"{where}: {which} growth {float(x):.6g}, expected "
@@ -595,11 +595,11 @@ def check_cp_choice(fn) -> bool:
         if not isinstance(got, (tuple, list)) or len(got) != 2 \
                 or not is_number(got[1]):
             raise ExerciseError(f"{where}: expected (method, bytes), got {got!r}")
+        finite(f"{where}, bytes", got[1])
         mine, nbytes = _method_name(got[0]), float(got[1])
         if mine not in METHODS:
             raise ExerciseError(f"{where}: method {got[0]!r} is none of "
                                 f"{list(METHODS)}")
-        finite(f"{where}, bytes", nbytes)
         methods = _cp_methods(*case)
         pick = _cp_pick(methods, memory)
         if mine != pick:

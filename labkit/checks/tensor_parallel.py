@@ -26,6 +26,7 @@ from labkit.checks.common import (
     call_answer,
     finite,
     is_number,
+    is_whole,
     rounding_tolerance,
     run_answer,
     wrong_element,
@@ -532,7 +533,7 @@ def check_tp_layer_bytes(fn) -> bool:
         if not is_number(got):
             raise ExerciseError(f"{where}: expected a number of bytes, got "
                                 f"{type(got).__name__} {got!r}")
-        finite(where, float(got))
+        finite(where, got)
         want = _layer_bytes(*case)
         # the float64 formula against the exact one: another order of the same
         # operations differs in the 16th digit; 1e-9 relative absorbs that only
@@ -641,8 +642,8 @@ def check_whole_over_half(fn) -> bool:
         if not is_number(got):
             raise ExerciseError(f"{where}: expected a whole number of ranks, got "
                                 f"{type(got).__name__} {got!r}")
-        finite(where, float(got))
-        if got < 1 or not float(got).is_integer():  # 4, 4.0 and numpy's 4 are 4
+        finite(where, got)
+        if got < 1 or not is_whole(got):  # 4, 4.0 and numpy's 4 are 4
             raise ExerciseError(f"{where}: t is a whole number of ranks >= 1, not "
                                 f"{got!r}")
         got = int(got)

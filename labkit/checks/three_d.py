@@ -58,7 +58,7 @@ def _number(what: str, got):
     if not is_number(got):
         raise ExerciseError(f"{what} returned {got!r} ({type(got).__name__}); "
                             "return a number")
-    finite(what, float(got))
+    finite(what, got)
     return float(got)
 
 
@@ -667,8 +667,8 @@ def check_traffic_ratios(fn) -> bool:
             if not is_number(v):
                 raise ExerciseError(f"{call}[{d!r}] is {v!r}; return a number, "
                                     "the new layout's bytes over the old's")
-            v = float(v)
             finite(f"{call}[{d!r}]", v)
+            v = float(v)
             if _close(v, want[d]):
                 continue
             slips = [(Fraction(1), "a GPU's tokens per step, microbatches x b x "
