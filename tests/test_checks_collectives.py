@@ -91,6 +91,16 @@ def _a2a_todo(rank, world_size, x):
     raise NotImplementedError("exercise: all-to-all from isend/irecv")
 
 
+def test_messages_show_whole_numbers_in_full():
+    # the all-to-all's values run to 2**20: %g printed 1007060 as 1.00706e+06,
+    # which hid the digits and broke this file's regexes 1 run in ~20
+    from labkit.checks.collectives import _value
+
+    assert _value(1007060.0) == "1007060", _value(1007060.0)
+    assert _value(501.25) == "501.25", _value(501.25)
+    assert _value(float("nan")) == "nan", _value(float("nan"))
+
+
 def test_all_to_all_check(cluster, capsys):
     assert check_all_to_all(cluster, _a2a_todo) is None
     assert "not written yet" in capsys.readouterr().out

@@ -77,10 +77,19 @@ def _a2a_inputs(seed: int, n: int, k: int):
     return values.float().view(n, n * k)
 
 
+def _value(v: float) -> str:
+    """A value as a message shows it: whole numbers in full (1007060, not
+    %g's 1.00706e+06, which hides the digits a student compares)."""
+    v = float(v)
+    if v == v and abs(v) < 2**53 and v.is_integer():
+        return f"{v:.0f}"
+    return f"{v:g}"
+
+
 def _origin(v: float, x, k: int) -> str:
     hit = (x == v).nonzero()
     if not len(hit):
-        return f"{v:g}, a value no rank's x held (uninitialised memory? a sum?)"
+        return f"{_value(v)}, a value no rank's x held (uninitialised memory? a sum?)"
     i, e = (int(a) for a in hit[0])
     return f"element {e % k} of rank {i}'s chunk {e // k}"
 
@@ -118,8 +127,8 @@ def check_all_to_all(cluster, fn) -> None:
             (e,) = bad
             got = float(out[e])
             raise ExerciseError(
-                f"rank {rank}, chunk {e // k}, element {e % k}: got {got:g}, expected "
-                f"{float(want[e]):g}; it holds {_origin(got, x, k)}, expected "
+                f"rank {rank}, chunk {e // k}, element {e % k}: got {_value(got)}, "
+                f"expected {_value(want[e])}; it holds {_origin(got, x, k)}, expected "
                 f"{_origin(float(want[e]), x, k)}. Chunk j of rank i goes to rank j "
                 "and lands there as chunk i: send x.chunk(n)[dst] to each dst, and "
                 "put what rank src sends at position src")
@@ -256,8 +265,8 @@ def check_cheap_reduce_scatter(cluster, fn, numel: int = _RS_NUMEL) -> None:
         bad = first_wrong(out, want)  # whole numbers: every sum order is exact
         if bad is not None:
             raise ExerciseError(
-                f"rank {rank}, element {list(bad)}: got {float(out[bad]):g}, expected "
-                f"{float(want[bad]):g}{_rs_why(out, rank, x, n)}. Hint: {hint}")
+                f"rank {rank}, element {list(bad)}: got {_value(out[bad])}, expected "
+                f"{_value(want[bad])}{_rs_why(out, rank, x, n)}. Hint: {hint}")
     sent = []
     for rank, (_, records, written, _) in enumerate(res):
         # where this machine cannot count socket writes: from the calls
