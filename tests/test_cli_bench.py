@@ -79,6 +79,33 @@ def test_the_command_returns_the_benchmarks_status(monkeypatch):
     assert main.main(["bench", "ring"]) == 0
 
 
+@pytest.mark.parametrize("what, flags, says", [
+    ("cluster", ["--world-size", "0"], "--world-size 0: at least 2 ranks"),
+    ("cluster", ["--world-size", "-3"], "--world-size -3: at least 2 ranks"),
+    ("cluster", ["--world-size", "1"], "--world-size 1: at least 2 ranks"),
+    ("ring", ["--world-size", "1"], "--world-size 1: at least 2 ranks"),
+    ("strategies", ["--world-size", "0"], "at least 2 ranks"),
+    ("model-parallel", ["--world-size", "3"], "--world-size 3: 2 or 4"),
+    ("expert", ["--world-size", "3"], "--world-size 3: 2, 4 or 8"),
+    ("roofline", ["--world-size", "4"], "roofline starts no ranks"),
+])
+def test_bad_world_sizes_are_refused_before_anything_runs(monkeypatch, capsys, what,
+                                                          flags, says):
+    from labkit.cli import bench_expert, bench_ring, bench_roofline, bench_strategies
+
+    ran = []
+    for module, fn in ((bench, "bench_cluster"), (bench_ring, "bench_ring"),
+                       (bench_strategies, "bench_strategies"),
+                       (bench_roofline, "bench_roofline"), (bench_expert, "run")):
+        monkeypatch.setattr(module, fn, lambda *a, fn=fn: ran.append(fn) or 0)
+    monkeypatch.setattr(main, "bench_model_parallel",
+                        lambda n: ran.append("model-parallel") or 0)
+    assert main.main(["bench", what, *flags]) == 2, ran
+    assert ran == [], f"bench {what} {flags} ran {ran}"
+    err = capsys.readouterr().err
+    assert f"labkit bench {what}: " in err and says in err, err
+
+
 def test_strategy_rows_ratios_and_state_share():
     from labkit.cli.bench_strategies import strategy_rows
 

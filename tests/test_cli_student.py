@@ -133,11 +133,46 @@ def test_build_writes_the_edition_with_its_images(tmp_path):
     _write(src, "01_a.ipynb", _chapter())
     images.mkdir()
     (images / "ring.svg").write_text("<svg/>")
-    _write(out, "00_gone.ipynb", _nb())  # a chapter that no longer exists
+    gone = _write(src, "00_gone.ipynb", _chapter())
+    build(src, out, images)
+    gone.unlink()  # a chapter removed from the course: its edition goes too
     assert build(src, out, images) == [out / "01_a.ipynb"]
-    assert sorted(p.name for p in out.iterdir()) == ["01_a.ipynb", "images"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".labkit-student.json", "01_a.ipynb", "images"]
     assert (out / "images" / "ring.svg").read_text() == "<svg/>"
     nbformat.validate(nbformat.read(out / "01_a.ipynb", as_version=4))
+
+
+def test_build_never_deletes_or_overwrites_what_it_did_not_write(tmp_path):
+    src, images, out = tmp_path / "nb", tmp_path / "images", tmp_path / "dist"
+    _write(src, "01_a.ipynb", _chapter())
+    homework = _write(out, "my_homework.ipynb", _nb(_cell("code", "x = 42")))
+    own = homework.read_text()
+    assert build(src, out, images) == [out / "01_a.ipynb"]
+    assert homework.read_text() == own, "the student's own notebook was changed"
+    # a chapter gone from the course: its old edition goes, as this build wrote it
+    # and nobody changed it; one a student worked in stays
+    _write(src, "02_b.ipynb", _chapter())
+    build(src, out, images)
+    worked = out / "02_b.ipynb"
+    worked.write_text(worked.read_text().replace("print(1)", "print(2)"))
+    (src / "01_a.ipynb").unlink()
+    (src / "02_b.ipynb").unlink()
+    _write(src, "03_c.ipynb", _chapter())
+    assert build(src, out, images) == [out / "03_c.ipynb"]
+    assert sorted(p.name for p in out.glob("*.ipynb")) == [
+        "02_b.ipynb", "03_c.ipynb", "my_homework.ipynb"]
+    assert "print(2)" in worked.read_text()
+    # a chapter's name taken by a file it did not write (or that was changed
+    # since): refused, naming it, and nothing written
+    _write(src, "my_homework.ipynb", _chapter())
+    _write(src, "02_b.ipynb", _chapter())
+    before = {p: p.read_text() for p in out.glob("*.ipynb")}
+    with pytest.raises(ValueError) as e:
+        build(src, out, images)
+    assert "my_homework.ipynb" in str(e.value) and "02_b.ipynb" in str(e.value), e
+    assert "03_c.ipynb" not in str(e.value), e  # its own, unchanged: replaced
+    assert {p: p.read_text() for p in out.glob("*.ipynb")} == before
 
 
 def test_build_refuses_a_broken_layout_and_writes_nothing(tmp_path):

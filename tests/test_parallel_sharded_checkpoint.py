@@ -155,9 +155,44 @@ def _save_and_continue(rank, world_size, path):
 def _error(fn):
     try:
         fn()
-    except (ValueError, FileNotFoundError) as e:
+    except BaseException as e:  # DCP's CheckpointException is not an Exception
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
         return f"{type(e).__name__}: {e}"
     return None
+
+
+DAMAGED = ("truncated", "zeroed .metadata", "truncated, empty marker", "no marker")
+
+
+def _damage(path):
+    """Copies of labkit's FSDP checkpoint of TinyGPT, each damaged as a copy or
+    a disk can."""
+    import shutil
+
+    for name in DAMAGED:
+        shutil.copytree(path / "ours", path / name)
+    for name in ("truncated", "truncated, empty marker"):
+        f = path / name / "__1_0.distcp"
+        f.write_bytes(f.read_bytes()[:f.stat().st_size // 2])
+    md = path / "zeroed .metadata" / ".metadata"
+    md.write_bytes(bytes(md.stat().st_size))  # the same size, no pickle
+    (path / "truncated, empty marker" / ".labkit-complete").write_text("")
+    (path / "no marker" / ".labkit-complete").unlink(missing_ok=True)  # as dcp.save
+
+
+def _damage_said(e: str, path, name: str) -> None:
+    """What loading a DAMAGED copy must say: which file, what is wrong."""
+    where = f"{path / name}"
+    want = {"truncated": (f"'{where}/__1_0.distcp' is ", "when its save finished: "
+                          "it is truncated", "Copy the checkpoint again"),
+            "zeroed .metadata": (f"'{where}/.metadata' cannot be read (Unpickling"
+                                 "Error", "the file is damaged"),
+            "truncated, empty marker": (f"'{where}/__1_0.distcp' is ", ".metadata "
+                                        "lists", "it is truncated"),
+            "no marker": (f"'{where}' has no .labkit-complete",
+                          "its save did not finish")}[name]
+    assert e.startswith("ValueError: ") and all(w in e for w in want), (name, e)
 
 
 def _resume(rank, world_size, path):
@@ -185,6 +220,7 @@ def _resume(rank, world_size, path):
                      "shapes": load("ours", model=TinyGPT(d=32)),
                      "into FSDP2": load("ours", into="fsdp2"),
                      "no such path": load("nothing")}
+    out["errors"].update({name: load(name) for name in DAMAGED})
     return out
 
 
@@ -193,6 +229,7 @@ def runs(tmp_path_factory):
     path = tmp_path_factory.mktemp("checkpoints")
     with labkit.Cluster(N, timeout=120) as c:
         saved = c.run(_save_and_continue, str(path)).values
+    _damage(path)
     with labkit.Cluster(RESUME_N, timeout=120) as c:
         resumed = c.run(_resume, str(path)).values
     return path, saved, resumed
@@ -401,3 +438,97 @@ def test_mistakes_say_what_is_wrong(runs, tmp_path):
         assert e["no such path"].startswith("FileNotFoundError: no checkpoint at"), e
     with pytest.raises(FileNotFoundError, match="has no .metadata"):
         load_full_state_dict(tmp_path)
+
+
+@pytest.mark.parametrize("name", DAMAGED)
+def test_a_damaged_checkpoint_names_the_file(runs, name):
+    # on the 2 ranks (load_sharded) and in one process (load_full_state_dict)
+    path, _, resumed = runs
+    for r in resumed:
+        _damage_said(r["errors"][name], path, name)
+    _damage_said(_error(lambda: load_full_state_dict(path / name)), path, name)
+
+
+def test_save_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
+    # save_sharded replaces the whole folder: never over what it did not write
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(ValueError, match=r"mine' holds what no checkpoint holds "
+                       r"\(notes.txt\)"):
+        save_sharded(tmp_path / "mine", torch.nn.Linear(2, 2))
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+    # in one process (no process group), a save over a save replaces it whole
+    for k in (1, 2):
+        save_sharded(tmp_path / "one", torch.nn.Linear(2, 2), step=k)
+    assert load_full_state_dict(tmp_path / "one")["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "one"]
+
+
+# ----------------------------------------------- a save cut short, damaged files
+
+
+def _linear_saved(rank, world_size, path, plus, step, flags=None):
+    """Linear(5, 6) (0.weight: 30 elements, 8 a rank, rank 3's 6) in labkit's
+    FSDP, every weight + `plus`, saved at `step`. flags: rank 3 is killed
+    (SIGKILL) in its write, once every other rank has written its shard."""
+    import os
+    import signal
+    import time
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from labkit.parallel.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    w = FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(5, 6)))
+    with torch.no_grad():
+        for p in w.parameters():
+            p.add_(plus)
+    if flags is not None:
+        write = FileSystemWriter.write_data
+
+        def written(self, plan, planner):  # ranks 0-2: write, then say so
+            done = write(self, plan, planner)
+            done.wait()
+            open(os.path.join(flags, str(rank)), "w").close()
+            return done
+
+        def killed(self, plan, planner):  # rank 3: dies once the others wrote
+            while len(os.listdir(flags)) < world_size - 1:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        FileSystemWriter.write_data = killed if rank == 3 else written
+    save_sharded(path, w, step=step)
+    return w.gather_full_params()
+
+
+def test_a_save_cut_short_leaves_the_previous_checkpoint(tmp_path):
+    target, flags = tmp_path / "ckpt", tmp_path / "flags"
+    flags.mkdir()
+    (tmp_path / "notes.txt").write_text("mine")  # beside it: never touched
+    with labkit.Cluster(4, timeout=60) as c:
+        old = c.run(_linear_saved, str(target), 0.0, 1).values[0]
+        with pytest.raises(labkit.RankError, match="rank 3"):
+            c.run(_linear_saved, str(target), 1.0, 2, str(flags))
+        # what is at `target` is the whole first save, never a mix of the two
+        full = load_full_state_dict(target)
+        mixed = (full["model"]["0.weight"] != old["0.weight"]).sum().item()
+        assert mixed == 0, (f"0.weight: {mixed} of 30 elements from the save that "
+                            "was cut short, the rest from the previous one")
+        assert full["step"] == 1, f"step {full['step']} loaded, 1 saved before"
+        # the unfinished save's folder is refused, by name
+        unfinished = [p for p in tmp_path.iterdir() if p.name.startswith("ckpt.")]
+        assert [p.name for p in unfinished] == ["ckpt.saving"], unfinished
+        for p in unfinished:
+            with pytest.raises(ValueError, match=f"{p.name}.* did not finish"):
+                load_full_state_dict(p)
+        # and a complete save replaces the checkpoint, and only it
+        new = c.run(_linear_saved, str(target), 1.0, 2).values[0]
+    full = load_full_state_dict(target)
+    assert full["step"] == 2 and torch.equal(full["model"]["0.weight"],
+                                             new["0.weight"]), full["step"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt", "flags", "notes.txt"], sorted(p.name for p in tmp_path.iterdir())
+    assert (tmp_path / "notes.txt").read_text() == "mine"

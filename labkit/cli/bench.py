@@ -39,6 +39,40 @@ class Row:
         return "ok" if hit else "short"
 
 
+def world_size_problem(what: str, n: int | None) -> str | None:
+    """Why `bench what --world-size n` cannot run as asked; None when it can
+    (n None: the bench's default)."""
+    if n is None:
+        return None
+    if what == "roofline":
+        return (f"--world-size {n}: roofline starts no ranks (it times one GPU's "
+                "matrix products); leave the flag out")
+    if n < 2:
+        return (f"--world-size {n}: at least 2 ranks (every figure here is of ranks "
+                "working together)")
+    if what == "model-parallel":
+        from labkit.cli.bench_pipeline import BLOCKS
+        from labkit.cli.bench_tensor_parallel import FFN
+
+        fits = [k for k in range(2, 3 * BLOCKS + 1) if FFN % k == 0 == 3 * BLOCKS % k]
+        if n not in fits:
+            return (f"--world-size {n}: {_or(fits)} (the MLP's {FFN} hidden features "
+                    f"and the pipeline's {3 * BLOCKS} layers split evenly)")
+    if what == "expert":
+        from labkit.cli.bench_expert import SIZES
+
+        e = SIZES["experts"]
+        fits = [k for k in range(2, e + 1) if e % k == 0]
+        if n not in fits:
+            return f"--world-size {n}: {_or(fits)} (the {e} experts split evenly)"
+    return None
+
+
+def _or(items: list) -> str:
+    return ", ".join(map(str, items[:-1])) + f" or {items[-1]}" if len(items) > 1 \
+        else str(items[0])
+
+
 def exit_code(rows: list[Row]) -> int:
     """1 when any figure falls short of its target, else 0."""
     return 1 if any(r.status == "short" for r in rows) else 0

@@ -33,6 +33,12 @@ def _doctor(args) -> int:
 
 
 def _bench(args) -> int:
+    from labkit.cli.bench import world_size_problem
+
+    problem = world_size_problem(args.what, args.world_size)
+    if problem:
+        print(f"labkit bench {args.what}: {problem}", file=sys.stderr)
+        return 2
     n = args.world_size or (2 if args.what == "model-parallel" else 4)
     if args.what == "model-parallel":
         return bench_model_parallel(n)
@@ -121,11 +127,13 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("doctor", help="versions, backend, and a 2-rank smoke test"
                    ).set_defaults(func=_doctor)
     b = sub.add_parser("bench", help="benchmarks: each figure beside its target; "
-                       "exit status 1 when one falls short")
+                       "exit status 1 when one falls short, 2 on a bad flag")
     b.add_argument("what", choices=["cluster", "ring", "strategies", "model-parallel",
                                     "roofline", "expert"])
     b.add_argument("--world-size", type=int, default=None,
-                   help="ranks (default: 2 for model-parallel, else 4)")
+                   help="ranks, at least 2 (default: 2 for model-parallel, else 4; "
+                   "model-parallel and expert need sizes that split evenly; "
+                   "roofline takes none)")
     b.set_defaults(func=_bench)
     sub.add_parser("images", help="draw the course's diagrams into images/"
                    ).set_defaults(func=_images)
@@ -144,8 +152,10 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("notebook")
     ex.add_argument("--out", required=True, help="the module to write (FILE.py)")
     ex.set_defaults(func=_export)
+    from labkit.cli.results import EXIT_HELP
+
     rs = sub.add_parser("results", help="merge a torchrun run's rank*.pt files in "
-                        "rank order and summarize them")
+                        "rank order and summarize them", epilog=EXIT_HELP)
     rs.add_argument("dirs", nargs="+", help="the --results folder(s), one per node "
                     "without a shared file system")
     rs.add_argument("--chart", default=None,

@@ -1,19 +1,23 @@
 """`python -m labkit results DIR... [--chart OUT]`: a summary of what a torchrun run's
 ranks wrote under `labkit.launch --results DIR` (runtime/results_io.py reads the
-files) and, with --chart, its ledgers drawn by rank."""
+files) and, with --chart, its ledgers drawn by rank. Its exit status says which
+kind of trouble (EXIT_STATUS)."""
 
 from __future__ import annotations
 
 import reprlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from labkit.runtime import (
-    RankResults,
-    ResultsError,
-    load_results,
-    merge_records,
-    read_records,
-)
+if TYPE_CHECKING:
+    from labkit.runtime import RankResults
+
+
+EXIT_STATUS = {"failed": 1, "missing": 2, "unreadable": 3}  # ResultsError.kind
+EXIT_HELP = ("exit status: 0: every rank's result read; 1: a rank failed (its "
+             "traceback is shown); 2: a rank's file is missing, from another run, "
+             "or not labkit's; 3: a file cannot be read (truncated or damaged: "
+             "it is named)")
 
 
 def ledgers_in(value) -> dict[str, object]:
@@ -53,6 +57,8 @@ def brief(value, depth: int = 0) -> str:
 
 def summary(*directories) -> str:
     """A few lines on a run: who ran where, for how long, and what each returned."""
+    from labkit.runtime import merge_records, read_records
+
     recs = merge_records(read_records(*directories))
     first = recs[0]
     hosts = sorted({rec["host"] for rec in recs.values()})
@@ -96,14 +102,16 @@ def chart(results: RankResults, out_dir) -> list[Path]:
 
 
 def results_command(directories, chart_dir=None) -> int:
-    """`python -m labkit results DIR... [--chart OUT]`: 0, or 1 when a rank failed,
-    2 when the files are missing or stale."""
+    """`python -m labkit results DIR... [--chart OUT]`: its exit status, as
+    EXIT_HELP says."""
+    from labkit.runtime import ResultsError, load_results
+
     try:
         results = load_results(*directories)
         print(summary(*directories))
     except ResultsError as e:
         print(f"labkit results: {e}")
-        return 1 if "failed:" in str(e) else 2
+        return EXIT_STATUS.get(e.kind, 2)
     if chart_dir is not None:
         written = chart(results, chart_dir)
         for path in written:

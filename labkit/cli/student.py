@@ -5,6 +5,12 @@ Each notebooks/NN_x.ipynb becomes dist/student/NN_x.ipynb: every cell tagged
 counts and saved widget state are cleared. images/ is copied into the edition and
 markdown links to `../images/` point there, so the folder can be handed out alone.
 
+The build never deletes or overwrites what it did not write: RECORD in the folder
+holds a hash of each notebook it wrote; a chapter's name taken by a file it did
+not write, or that changed since (a student's work), is refused before anything
+is written, and an edition of a chapter since removed from the course goes only
+if unchanged. Each notebook is written to a temporary file and renamed.
+
 The build refuses a notebook whose exercises break their layout: a cell tagged
 `exercise` (by convention a stub raising NotImplementedError("exercise: ...")),
 the solution in the next cell tagged `solution`, defining every function, class
@@ -19,13 +25,16 @@ from __future__ import annotations
 
 import ast
 import copy
+import hashlib
 import json
+import os
 import re
 import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 EXERCISE, SOLUTION, RAISES = "exercise", "solution", "raises-exception"
+RECORD = ".labkit-student.json"  # in the edition's folder: what the build wrote
 _IMAGE_LINK = re.compile(r"""(\]\(\s*<?|src\s*=\s*["'])\.\./images/""")
 _CHECK_CALL = re.compile(r"\bcheck_\w*\s*\(")
 
@@ -141,26 +150,78 @@ def with_cells(nb: dict, cells: list[dict]) -> dict:
 def build(notebooks: Path = ROOT / "notebooks", out: Path = ROOT / "dist" / "student",
           images: Path = ROOT / "images") -> list[Path]:
     """Write the student edition of every notebooks/*.ipynb into `out` (and its
-    images into out/images); return the notebooks written. ValueError, naming
-    each cell, when a notebook breaks the exercise layout (nothing is written)."""
+    images into out/images); return the notebooks written. ValueError, before
+    anything is written, when a notebook breaks the exercise layout (naming each
+    cell) or a notebook in `out` that this build did not write, or that changed
+    since, has a chapter's name (naming each). An edition of a chapter no longer
+    in the course is removed if it is as this build wrote it, else left."""
     sources = sorted(Path(notebooks).glob("*.ipynb"))
     books = {p: json.loads(p.read_text(encoding="utf-8")) for p in sources}
     problems = [line for p, nb in books.items() for line in layout_problems(nb, p.name)]
     if problems:
         raise ValueError("the exercise layout is broken:\n  " + "\n  ".join(problems))
     out = Path(out)
+    texts = {p.name: json.dumps(student_notebook(nb), indent=1, ensure_ascii=False)
+             + "\n" for p, nb in books.items()}
+    record = _record(out)
+    taken = [out / name for name, text in texts.items() if (out / name).exists()
+             and not _ours(out / name, record) and (out / name).read_text(
+                 encoding="utf-8") != text]
+    if taken:
+        raise ValueError(
+            "not written by this command, or changed since it was (someone's work?), "
+            "and named as a chapter:\n  " + "\n  ".join(map(str, taken)) +
+            f"\nmove them out of {out}, or choose another --out; nothing was written")
     out.mkdir(parents=True, exist_ok=True)
-    for stale in set(out.glob("*.ipynb")) - {out / p.name for p in sources}:
-        stale.unlink()  # a chapter renamed or removed since the last build
+    new = {name: _digest(text.encode("utf-8")) for name, text in texts.items()}
+    # before writing, the record names both versions: a build cut short leaves
+    # each file one of them, so the next build knows it as its own
+    _write_record(out, {n: sorted({*record.get(n, []), h}) for n, h in new.items()}
+                  | {n: v for n, v in record.items() if n not in new})
+    for name in set(record) - set(texts):  # a chapter renamed or removed since
+        if _ours(out / name, record):
+            (out / name).unlink()
     if Path(images).is_dir():
         shutil.copytree(images, out / "images", dirs_exist_ok=True)
     written = []
-    for p, nb in books.items():
-        dest = out / p.name
-        text = json.dumps(student_notebook(nb), indent=1, ensure_ascii=False) + "\n"
-        dest.write_text(text, encoding="utf-8")
-        written.append(dest)
+    for name, text in texts.items():
+        _replace(out / name, text)
+        written.append(out / name)
+    _write_record(out, {n: [h] for n, h in new.items()})
     return written
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _record(out: Path) -> dict[str, list[str]]:
+    """notebook name -> hashes of what a build wrote there (none: {})."""
+    try:
+        got = json.loads((out / RECORD).read_text(encoding="utf-8"))["written"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}  # none, or damaged: nothing there counts as the build's own
+    return {n: list(h) for n, h in got.items()} if isinstance(got, dict) else {}
+
+
+def _ours(path: Path, record: dict) -> bool:
+    """`path` is as a build wrote it (so it may be replaced or removed)."""
+    return path.is_file() and _digest(path.read_bytes()) in record.get(path.name, ())
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `path` via a temporary file beside it and a rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_record(out: Path, written: dict) -> None:
+    _replace(out / RECORD, json.dumps({"written": written}, indent=1,
+                                      sort_keys=True) + "\n")
 
 
 class PrefixError(AssertionError):

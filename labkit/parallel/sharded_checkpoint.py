@@ -30,12 +30,13 @@ DTensors keep their own shapes. Both save {"model": {name: tensor}, "optim":
 DCP writes one file per rank (__r_0.distcp) and .metadata, each tensor chunk in
 torch.save's container (about 1.5 kB of zip framing around the elements);
 `checkpoint_bytes` reads each file's size and, from .metadata, its tensors' bytes.
+A save is written beside the folder and renamed into place when every rank has
+written (checkpoint_files.py): a save cut short never leaves a mix of two.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 
 import torch
@@ -43,12 +44,13 @@ import torch
 from labkit.parallel.checkpoint_files import (  # noqa: F401 (re-exported)
     CheckpointBytes,
     FileBytes,
-    _dcp,
     _flat_planner,
     _is_tensor,
+    _load,
     _metadata,
     _nest,
     _objects,
+    _save,
     checkpoint_bytes,
     load_full_state_dict,
 )
@@ -133,7 +135,11 @@ def save_sharded(path, model: torch.nn.Module, optimizer=None, *, step: int = 0
                  ) -> None:
     """Write model's parameters and buffers, optimizer's state and `step` into
     the directory `path`, each rank its own shards. Collective: every rank calls
-    it. model: labkit's FullyShardedDataParallel, or what get_state_dict takes."""
+    it. model: labkit's FullyShardedDataParallel, or what get_state_dict takes.
+    Whole or not at all: written beside `path` (path.saving) and renamed to
+    `path` once every rank has written; a checkpoint already there stays as it
+    was until then. ValueError, before anything is written, if `path` holds
+    files that are not a checkpoint's."""
     dsd = _dsd()
     if isinstance(model, FullyShardedDataParallel):
         state, group = _ours(model, optimizer), model.group
@@ -143,7 +149,7 @@ def save_sharded(path, model: torch.nn.Module, optimizer=None, *, step: int = 0
         state, group = dict(zip(("model", "optim"),
                                 dsd.get_state_dict(model, optimizer))), None
     state["step"] = int(step)
-    _dcp().save(state, checkpoint_id=os.fspath(path), process_group=group)
+    _save(path, state, group)
 
 
 def _ours(fsdp: FullyShardedDataParallel, optimizer) -> dict:
@@ -208,7 +214,7 @@ def load_sharded(path, model: torch.nn.Module, optimizer=None) -> int:
         have = {p[2] for p in md.planner_data.values() if p[:2] == ("optim", "state")}
         osd["state"] = {k: v for k, v in osd["state"].items() if k in have}
         state["optim"] = osd
-    _dcp().load(state, checkpoint_id=os.fspath(path))
+    _load(path, state)
     if optimizer is None:
         dsd.set_model_state_dict(model, state["model"])
     else:  # strict=False lets those stay without state; names were checked above
@@ -248,8 +254,7 @@ def _load_ours(path, md, objects, layout, fsdp, optimizer) -> None:
                                                     .dtype), e, mesh)
         else:
             flat[key] = e.tensor.new_empty(m.size, dtype=m.properties.dtype)
-    _dcp().load(flat, checkpoint_id=os.fspath(path), process_group=fsdp.group,
-                planner=_flat_planner())
+    _load(path, flat, process_group=fsdp.group, planner=_flat_planner())
 
     def held(v, e):  # as this rank holds it: its piece, zero padding after
         v = v.to_local() if hasattr(v, "to_local") else v  # a DTensor

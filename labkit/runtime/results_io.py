@@ -26,7 +26,13 @@ _NAME = re.compile(r"rank(\d+)\.pt$")
 
 
 class ResultsError(ValueError):
-    """The result files are missing, stale (from another run) or not labkit's."""
+    """The result files are missing, stale (from another run) or not labkit's
+    (kind "missing"), a rank raised ("failed"), or a file cannot be read, as a
+    truncated copy cannot ("unreadable")."""
+
+    def __init__(self, message: str, kind: str = "missing"):
+        super().__init__(message)
+        self.kind = kind
 
 
 def save_rank_result(directory, rank: int, world_size: int, value=None, *,
@@ -62,8 +68,6 @@ def save_rank_result(directory, rank: int, world_size: int, value=None, *,
 
 def read_records(*directories) -> dict[int, dict]:
     """rank -> record, from every DIR/rank{r}.pt (later folders win on a clash)."""
-    import torch
-
     found: dict[int, dict] = {}
     for d in directories:
         d = Path(d)
@@ -73,7 +77,7 @@ def read_records(*directories) -> dict[int, dict]:
             m = _NAME.fullmatch(path.name)
             if not m:
                 continue
-            rec = torch.load(path, map_location="cpu", weights_only=False)
+            rec = _read(path)
             if not isinstance(rec, dict) or rec.get("labkit_result") != 1:
                 raise ResultsError(f"{path} is not a labkit result file")
             if rec["rank"] != int(m.group(1)):
@@ -82,6 +86,28 @@ def read_records(*directories) -> dict[int, dict]:
     if not found:
         raise ResultsError("no rank*.pt files in " + ", ".join(map(str, directories)))
     return found
+
+
+def _read(path: Path):
+    """torch.load of one rank's file; a ResultsError naming it if it cannot."""
+    import zipfile
+
+    import torch
+
+    if not zipfile.is_zipfile(path):  # torch.save's format is a zip archive
+        raise ResultsError(
+            f"{path} cannot be read: not a whole zip archive (torch.save's format), "
+            f"{path.stat().st_size:,} B: truncated (a copy that did not finish, a full "
+            "disk) or not a result file; copy it again from its node, or run again",
+            kind="unreadable")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 (a damaged pickle raises many kinds)
+        hint = ("a module its value needs cannot be imported here: run this where "
+                "fn's module imports" if isinstance(e, ImportError) else
+                "the file is damaged: copy it again from its node, or run again")
+        raise ResultsError(f"{path} cannot be read ({type(e).__name__}: {e}): "
+                           f"{hint}", kind="unreadable") from None
 
 
 def merge_records(records: dict[int, dict]) -> dict[int, dict]:
@@ -116,7 +142,7 @@ def load_results(*directories) -> RankResults:
               if rec["error"] and run in (None, rec["run_id"])}
     if failed:  # before gaps: torchrun stops the others when one rank raises
         raise ResultsError("\n".join(f"rank {r} failed:\n{tb}"
-                                     for r, tb in failed.items()))
+                                     for r, tb in failed.items()), kind="failed")
     recs = merge_records(found)
     out = RankResults({r: rec["value"] for r, rec in recs.items()}, {},
                       {r: rec["seconds"] for r, rec in recs.items()}, len(recs))
