@@ -153,6 +153,49 @@ def test_heads_must_divide_among_the_ranks(cluster):
     assert "12 is not divisible by 2 x 4 ranks = 8 chunks" in said[2], said[2]
 
 
+def _divides(rank, world_size):
+    from labkit.parallel.allgather_attention import allgather_attention
+    from labkit.parallel.ring_attention import ring_attention
+    from labkit.parallel.ulysses import heads_to_sequence, sequence_to_heads
+
+    said = {}
+    for name, call in (
+            ("sequence", lambda: heads_to_sequence(torch.zeros(1, 1, 6, 4))),
+            ("heads", lambda: sequence_to_heads(torch.zeros(1, 6, 2, 4))),
+            ("no heads", lambda: sequence_to_heads(torch.zeros(2, 4))),
+            ("no sequence", lambda: heads_to_sequence(torch.zeros(2, 4))),
+            ("balanced", lambda: allgather_attention(*(torch.zeros(1, 2, 3, 4),) * 3)),
+            ("all-gather 1-d", lambda: allgather_attention(*(torch.zeros(4),) * 3)),
+            ("ring 1-d", lambda: ring_attention(*(torch.zeros(4),) * 3))):
+        try:
+            call()
+            said[name] = None
+        except ValueError as e:
+            said[name] = str(e)
+    return said
+
+
+def test_what_must_divide_is_named(cluster):
+    # heads_to_sequence with 6 rows on 4 ranks was torch's "shape '[1, 1, 4, 1,
+    # 4]' is invalid for input of size 24"; a tensor without heads an IndexError
+    said = cluster.run(_divides)[0]
+    want = {"sequence": "sequence length 6 is not divisible by the 4 ranks of the "
+                        "group: Ulysses gives every rank s/N rows back, so N must "
+                        "divide s",
+            "heads": "6 heads are not divisible by the 4 ranks",
+            "no heads": "sequence_to_heads: x of shape (2, 4); (..., a, s/N, d) "
+                        "expected",
+            "no sequence": "heads_to_sequence: y of shape (2, 4); (..., a/N, s, d)"
+                           " expected",
+            "balanced": "sequence length 12 is not divisible by 2 x 4 ranks = 8 "
+                        "chunks",
+            "all-gather 1-d": "q, k and v must have one shape (..., s/N, d), got "
+                              "(4,)",
+            "ring 1-d": "q, k and v must have one shape (..., s/N, d), got (4,)"}
+    for name, part in want.items():
+        assert said[name] and part in said[name], f"{name}: {said[name]}"
+
+
 def test_balanced_rows_even_out_causal_work():
     from labkit.parallel.allgather_attention import balanced_rows, causal_work
 

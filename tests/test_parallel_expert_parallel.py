@@ -141,6 +141,72 @@ def test_router_refuses_what_it_cannot_route(kw, match):
         Router(H, E, **args)
 
 
+def test_forced_routing_must_be_one_row_of_k_experts_per_token():
+    # 5 rows for 8 tokens had gathered 5 gates, and tokens 5-7 came out as zeros
+    torch.manual_seed(0)
+    layer, x = MoELayer(H, FFN, E, 2), _randn((T, H), 1)
+    with pytest.raises(ValueError, match=r"experts has shape \(5, 2\) for x of "
+                       r"shape \(8, 8\): one row of k = 2 experts per token, "
+                       r"\(8, 2\), expected"):
+        layer(x, torch.tensor([[0, 1]] * 5))
+    for bad, match in ((torch.tensor([[0, 1, 2]] * T), r"has shape \(8, 3\)"),
+                       (torch.tensor([[0, 8]] * T), r"ids from 0 to 8, but this "
+                        r"router has 8 experts: ids in \[0, 8\)"),
+                       (torch.tensor([[0, -1]] * T), r"ids from -1 to 0"),
+                       (torch.tensor([[0.0, 1.0]] * T), r"is a torch.float32 tensor"),
+                       ([[0, 1]] * T, r"is a list; give an integer tensor")):
+        with pytest.raises(ValueError, match=match):
+            layer.router(x, bad)
+    r = layer.router(x, torch.tensor([[0, 1]] * T, dtype=torch.int32))
+    assert r.experts.dtype == torch.int64 and r.gates.shape == (T, 2)
+
+
+@pytest.mark.parametrize("factor", [float("nan"), float("inf"), -float("inf"), 0,
+                                    -1.25, True, "1.25"])
+def test_capacity_factor_must_be_finite_and_positive(factor):
+    # NaN was "cannot convert float NaN to integer" from math.ceil, inf an
+    # OverflowError; a layer took either and failed at its first forward
+    says = r"the capacity factor must be a finite number > 0 \(None: no capacity"
+    with pytest.raises(ValueError, match=says):
+        capacity(factor, 2, T, E)
+    with pytest.raises(ValueError, match=says):
+        MoELayer(H, FFN, E, 2, capacity_factor=factor)
+
+
+def test_capacity_and_routing_refuse_what_they_cannot_count():
+    with pytest.raises(ValueError, match=r"capacity factor 1e\+308 x k = 2 x 8 "
+                       r"tokens / 8 experts is past float's range: give a smaller "
+                       r"factor \(c = E/k = 4 already"):
+        capacity(1e308, 2, T, E)
+    assert capacity(1e300, 2, T, E) == math.ceil(1e300 * 2)  # large, finite: kept
+    for args, match in (((1.0, 0, T, E), "capacity: k must be a whole number >= 1"),
+                        ((1.0, 2, -1, E), "tokens must be a whole number >= 0"),
+                        ((1.0, 2, T, 0), "experts must be a whole number >= 1")):
+        with pytest.raises(ValueError, match=match):
+            capacity(*args)
+    chosen = torch.tensor([[0, 1], [0, 1]])
+    for cap in (-1, float("nan"), 2.5):
+        with pytest.raises(ValueError, match=r"cap, the pairs an expert takes, "
+                           r"must be a whole number >= 0, got"):
+            within_capacity(chosen, E, cap)
+    assert not within_capacity(chosen, E, 0).any()  # capacity 0: every pair out
+    with pytest.raises(ValueError, match=r"ids from 0 to 9.*ids in \[0, 8\)"):
+        within_capacity(torch.tensor([[0, 9]]), E, 1)
+    with pytest.raises(ValueError, match="Router: nodes must be a whole number >= 1"):
+        Router(H, E, 2, nodes=0)  # was a ZeroDivisionError
+    with pytest.raises(ValueError, match="Router: experts must be a whole number"):
+        Router(H, -8, 2)
+    router = Router(H, E, 2)
+    routing = router(_randn((T, H), 1))
+    for alpha in (float("nan"), float("inf"), -0.01):
+        with pytest.raises(ValueError, match="alpha must be a finite number >= 0"):
+            switch_balance_loss(routing, alpha)
+    for gamma in (float("nan"), -1e-3):
+        with pytest.raises(ValueError, match="gamma must be a finite number >= 0"):
+            update_bias(router, routing.load(), gamma)
+    assert not router.bias.isnan().any(), "a refused gamma changed the bias"
+
+
 def test_one_process_layer_is_the_weighted_sum_of_its_experts():
     def run(dtype):
         torch.manual_seed(0)
@@ -208,6 +274,76 @@ def test_all_to_all_of_uneven_and_empty_splits(cluster):
             want.append(grad[at:at + SPLITS[rank][q]])
         assert torch.equal(r["ours"][1], torch.cat(want)), (
             f"rank {rank}: input gradient {r['ours'][1].tolist()}")
+
+
+def _unpaired(rank, world_size):
+    """Each rank sends its 2 rows to the next; one rank's sizes are off."""
+    from labkit.ledger import traffic
+
+    x = torch.full((2, 3), float(rank))
+    out = {}
+    for case in ("expects more", "expects fewer", "sizes over x", "3 sizes", "ok"):
+        send, receive = [0] * world_size, [0] * world_size
+        send[(rank + 1) % world_size] = receive[(rank - 1) % world_size] = 2
+        if rank == 1 and case == "expects more":  # gloo gave an unwritten row
+            receive[0] = 3
+        if rank == 1 and case == "expects fewer":  # gloo aborted every rank
+            receive[0] = 1
+        if rank == 2 and case == "sizes over x":
+            send[3] = 3
+        if rank == 2 and case == "3 sizes":
+            receive = receive[:3]
+        try:
+            with traffic() as led:
+                y = all_to_all_rows(x, send, receive)
+            out[case] = (y, [(r.op, r.bus_bytes) for r in led.records])
+        except ValueError as e:
+            out[case] = str(e)
+    return out
+
+
+def test_all_to_all_sizes_that_do_not_pair_up_are_refused_on_every_rank(cluster):
+    res = cluster.run(_unpaired).values
+    says = {"expects more": "rank 0 sends 2 rows to rank 1, which expects 3",
+            "expects fewer": "rank 0 sends 2 rows to rank 1, which expects 1",
+            "sizes over x": "rank 2's send sizes [0, 0, 0, 3] add up to 3 rows, but "
+                            "its x has 2",
+            "3 sizes": "rank 2 gave 3 receive sizes for a group of 4 ranks"}
+    for case, part in says.items():
+        for rank, r in enumerate(res):
+            assert isinstance(r[case], str), (
+                f"{case}, rank {rank}: no error, received {r[case][0].tolist()}")
+            assert part in r[case] and "raised on every rank, before any row " \
+                "moved" in r[case], f"{case}, rank {rank}: {r[case]}"
+            assert r[case] == res[0][case], f"{case}: rank {rank}'s words differ"
+    assert "exchange the counts first" in res[0]["expects more"]
+    # the check is one all-to-all of every rank's plan (5 + 2N int64) before
+    # the rows': the rows' bytes are what they were
+    n, row = RANKS, 3 * 4
+    for rank, r in enumerate(res):
+        y, records = r["ok"]
+        assert torch.equal(y, torch.full((2, 3), float((rank - 1) % n))), rank
+        assert records == [("all_to_all", 8 * (5 + 2 * n) * (n - 1)),
+                           ("all_to_all", 2 * row)], f"rank {rank}: {records}"
+    assert cluster.run(lambda r, w: r).values == [0, 1, 2, 3]  # no rank died
+
+
+def _moe_calls(rank, world_size):
+    from labkit.ledger import traffic
+
+    ep = ExpertParallelMoE.from_moe(_layer({"k": 2}))
+    x = _randn((T, H), 10 + rank).requires_grad_()
+    with traffic(ep) as led:
+        ep(x).backward(_randn((T, H), 20 + rank))
+    return [(r.op, r.phase) for r in led.records]
+
+
+def test_the_moe_layer_makes_no_size_check_call(cluster):
+    # its receive sizes come from the counts it exchanged: chapter 12 holds it
+    # to three all-to-alls forward (counts, rows, rows back), two backward
+    for rank, calls in enumerate(cluster.run(_moe_calls).values):
+        assert calls == [("all_to_all", "forward")] * 3 + [
+            ("all_to_all", "backward")] * 2, f"rank {rank}: {calls}"
 
 
 # -- on 4 ranks: ExpertParallelMoE against the one-process layer ---------------------

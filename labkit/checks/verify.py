@@ -269,6 +269,8 @@ def sizes_agree(token: str):
         return real_list(output_tensor_list, input_tensor_list, group=group,
                          async_op=async_op)
 
+    # labkit.parallel.all_to_all_rows then leaves the sizes to this guard
+    single.labkit_checks_sizes = listed.labkit_checks_sizes = True
     dist.all_to_all_single, dist.all_to_all = single, listed
     try:
         yield

@@ -120,7 +120,7 @@ def allgather_attention(q, k, v, group=None, causal: bool = False,
     attention's: shard_sequence). Returns (..., c, d), this rank's rows of
     softmax(q k^T * scale [+ causal mask]) v. Differentiable: the gradients of
     k and v are reduce-scattered back to the ranks that hold those rows."""
-    if not (q.shape == k.shape == v.shape):
+    if not (q.shape == k.shape == v.shape) or q.dim() < 2:
         raise ValueError(f"q, k and v must have one shape (..., s/N, d), got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     group = group if group is not None else dist.group.WORLD

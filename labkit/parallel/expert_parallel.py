@@ -29,6 +29,7 @@ is then zeros, as in one process, and every replica's gradient has one shape.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,13 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.parallel.models import MLP
-from labkit.parallel.expert_routing import Router, Routing, capacity, within_capacity
+from labkit.parallel.expert_routing import (
+    Router,
+    Routing,
+    capacity,
+    check_capacity_factor,
+    within_capacity,
+)
 
 # -- the all-to-all ----------------------------------------------------------------
 
@@ -63,9 +70,96 @@ def all_to_all_rows(x: torch.Tensor, send, receive, group=None) -> torch.Tensor:
     """Forward: send[q] rows of x to rank q of `group`, in rank order, and return
     the receive[q] rows from each rank q, in rank order. Backward: the same
     exchange of the gradient with send and receive swapped. Empty splits are
-    fine (a rank may send or receive nothing)."""
-    return _AllToAll.apply(x, [int(n) for n in send], [int(n) for n in receive],
-                           group)
+    fine (a rank may send or receive nothing).
+
+    The sizes are checked first, across the ranks: every rank sends its plan
+    (5 + 2N int64: its rows, a row's elements and bytes, how many sizes it gave,
+    its send and receive sizes) to every rank, in one all-to-all that the
+    traffic ledger records before the rows' (8(5 + 2N)(N-1) bus bytes a rank,
+    as many as an all-gather of the plans, which is slower on gloo). Where
+    receive[q] on rank r is not send[r] on rank q, or a rank's sizes do not fit
+    its x, every rank raises the same ValueError naming the ranks and the sizes,
+    before any row moves (gloo would fill a row expected but never sent with
+    whatever memory held, or abort every rank for a row sent but not expected).
+    Where dist.all_to_all_single is a wrapper that says it checks the sizes
+    itself (its attribute `labkit_checks_sizes`: an exercise check's guard,
+    which explains a mismatch in the exercise's words), that wrapper checks
+    instead. ExpertParallelMoE skips the check: its receive sizes come from the
+    counts it exchanged."""
+    if getattr(dist.all_to_all_single, "labkit_checks_sizes", False):
+        return _AllToAll.apply(x, [int(v) for v in send], [int(v) for v in receive],
+                               group)  # the wrapper checks the sizes
+    n = dist.get_world_size(group)
+    plan = _plan(x, send, receive, n)
+    mine = torch.tensor(plan * n, device=x.device)  # my plan, a copy for each rank
+    every = torch.empty_like(mine)  # (N (5 + 2N),): every rank's plan
+    dist.all_to_all_single(every, mine, group=group)  # gloo's all-gather is slower
+    problem = _disagreement(every.view(n, -1).tolist(), n)
+    if problem:
+        raise ValueError(f"all_to_all_rows on {n} ranks: {problem}; raised on "
+                         "every rank, before any row moved")
+    return _AllToAll.apply(x, plan[5:5 + n], plan[5 + n:], group)
+
+
+def _sizes(sizes, n: int) -> tuple[int, list[int]]:
+    """(how many sizes were given, or -1 where they are not whole numbers; the
+    first n of them, padded with 0)."""
+    try:
+        given = list(sizes)
+        out = [int(a) for a in given]
+        if any(float(a) != b for a, b in zip(given, out)):
+            raise ValueError
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        return -1, [0] * n
+    return len(out), (out + [0] * n)[:n]
+
+
+def _plan(x: torch.Tensor, send, receive, n: int) -> list[int]:
+    """This rank's all-to-all as 5 + 2n whole numbers the others can read: its
+    rows (-1: x has no dimension to split), a row's elements and element bytes,
+    how many send and receive sizes it gave (-1: not whole numbers), then the
+    send and the receive sizes."""
+    ns, send = _sizes(send, n)
+    nr, receive = _sizes(receive, n)
+    rows = int(x.shape[0]) if x.dim() else -1
+    plan = [rows, math.prod(x.shape[1:]), x.element_size(), ns, nr, *send, *receive]
+    return [min(max(v, -2 ** 63), 2 ** 63 - 1) for v in plan]  # fits int64
+
+
+def _disagreement(plans: list[list[int]], n: int) -> str | None:
+    """What is wrong with the ranks' plans (_plan's) of one all-to-all, the same
+    words on every rank; None when every size pairs up."""
+    def sizes(r, side):  # side 0: send, 1: receive
+        return plans[r][5 + side * n:5 + (side + 1) * n]
+
+    for r, (rows, width, size, *given) in enumerate(plans):
+        for side, name in enumerate(("send", "receive")):
+            if given[side] == -1:
+                return f"rank {r}'s {name} sizes are not whole numbers"
+            if given[side] != n:
+                return (f"rank {r} gave {given[side]} {name} sizes for a group "
+                        f"of {n} ranks: one per rank, in rank order")
+            if min(sizes(r, side)) < 0:
+                return f"rank {r}'s {name} sizes {sizes(r, side)} are not all >= 0"
+        if rows < 0:
+            return f"rank {r}'s x is a 0-d tensor: rows are its first dimension"
+        if sum(sizes(r, 0)) != rows:
+            return (f"rank {r}'s send sizes {sizes(r, 0)} add up to "
+                    f"{sum(sizes(r, 0))} rows, but its x has {rows}")
+        if (width, size) != tuple(plans[0][1:3]):
+            return (f"rank {r}'s rows are {width} elements of {size} bytes, rank "
+                    f"0's {plans[0][1]} of {plans[0][2]}: one row shape and dtype "
+                    "on every rank")
+    pairs = [f"rank {q} sends {sizes(q, 0)[r]} rows to rank {r}, which expects "
+             f"{sizes(r, 1)[q]}" for q in range(n) for r in range(n)
+             if sizes(q, 0)[r] != sizes(r, 1)[q]]
+    if not pairs:
+        return None
+    more = f" (and {len(pairs) - 3} more pairs)" if len(pairs) > 3 else ""
+    return ("the sizes do not pair up: " + "; ".join(pairs[:3]) + more
+            + ". receive[q] on rank r must be send[r] on rank q: exchange the "
+            "counts first (every rank's send sizes, in an all-to-all), as the MoE "
+            "dispatch does")
 
 
 # -- the layer ---------------------------------------------------------------------
@@ -132,8 +226,8 @@ class MoELayer(nn.Module):
     Returns sum_j gate_j · expert_j(x) over each token's k choices (no residual:
     add it outside; a dropped pair adds 0). capacity_factor: None keeps every
     pair; else each expert takes ceil(cf·k·T/E) pairs of the T tokens of one
-    call. After a forward, `routing` holds the Routing (for a balancing loss)
-    and `stats` the MoEStats."""
+    call (a finite cf > 0; ValueError otherwise). After a forward, `routing`
+    holds the Routing (for a balancing loss) and `stats` the MoEStats."""
 
     def __init__(self, hidden: int, ffn: int, experts: int, k: int, *,
                  capacity_factor: float | None = None, **router):
@@ -141,7 +235,7 @@ class MoELayer(nn.Module):
         self.router = Router(hidden, experts, k, **router)
         # each expert an MLP h -> ffn -> h
         self.experts = nn.ModuleList(MLP(hidden, ffn) for _ in range(experts))
-        self.capacity_factor = capacity_factor
+        self.capacity_factor = check_capacity_factor(capacity_factor)
         self.routing: Routing | None = None
         self.stats: MoEStats | None = None
 
@@ -178,7 +272,8 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"{self.ranks_per_node} ranks per node do not divide "
                              f"the expert group's {self.ep}")
         self.router, self.experts = router, experts
-        self._num_experts, self.capacity_factor = num_experts, capacity_factor
+        self._num_experts = num_experts
+        self.capacity_factor = check_capacity_factor(capacity_factor)
         self.routing: Routing | None = None
         self.stats: MoEStats | None = None
 
@@ -231,12 +326,13 @@ def _moe_forward(layer, x, experts, *, group, ep: int, rank: int):
     if ep > 1:  # counts first: how many rows of each of my experts every rank sends
         got = _exchange(counts.view(ep, local), [1] * ep, [1] * ep, group)
         receive = got.sum(1).tolist()  # (ep,)
-        rows = all_to_all_rows(rows, send, receive, group)  # (M, h)
+        # receive came from the counts exchanged: the sizes pair up, unchecked
+        rows = _AllToAll.apply(rows, send, receive, group)  # (M, h)
     else:
         got, receive = counts.view(1, e), send
     out_rows = _run_experts(layer.experts, rows, got)  # (M, h)
     if ep > 1:
-        out_rows = all_to_all_rows(out_rows, receive, send, group)  # (N, h)
+        out_rows = _AllToAll.apply(out_rows, receive, send, group)  # (N, h)
     gates = routing.gates.reshape(-1)[order]  # (N,)
     y = x.new_zeros(t, h).index_add(0, token[order], out_rows * gates[:, None])
     layer.routing = routing

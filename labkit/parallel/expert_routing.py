@@ -27,6 +27,8 @@ k/M highest scores sum highest.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +65,9 @@ class Router(nn.Module):
                  normalize: bool = True, nodes: int = 1,
                  max_nodes: int | None = None):
         super().__init__()
+        for name, v in (("hidden", hidden), ("experts", experts), ("k", k),
+                        ("nodes", nodes)):
+            _whole(f"Router: {name}", v, 1)
         max_nodes = nodes if max_nodes is None else max_nodes
         if score not in self.SCORES:
             raise ValueError(f"score must be one of {self.SCORES}, not {score!r}")
@@ -89,7 +94,10 @@ class Router(nn.Module):
                 ) -> Routing:
         """x (T, h). experts (T, k): use this choice instead of the router's own
         (the same routing for another run, e.g. in float64); gates still come
-        from this router's scores."""
+        from this router's scores. ValueError when experts is not one row of k
+        expert ids in [0, E) per token of x."""
+        if experts is not None:
+            experts = self._forced(x, experts)
         logits = self.gate(x)  # (T, h) -> (T, E)
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         if experts is None:
@@ -98,6 +106,29 @@ class Router(nn.Module):
         if self.normalize:
             gates = gates / gates.sum(-1, keepdim=True)
         return Routing(experts, gates, scores)
+
+    def _forced(self, x: torch.Tensor, experts) -> torch.Tensor:
+        """A forced routing, checked: (T, k) int64 expert ids in [0, E)."""
+        t, k, e = x.shape[0] if x.dim() else 0, self.k, self.num_experts
+        if not isinstance(experts, torch.Tensor) or experts.dtype in (
+                torch.bool, torch.uint8) or experts.is_floating_point() \
+                or experts.is_complex():
+            what = (f"a {experts.dtype} tensor" if isinstance(experts, torch.Tensor)
+                    else f"a {type(experts).__name__}")
+            raise ValueError(f"forced routing: experts is {what}; give an integer "
+                             f"tensor of expert ids, ({t}, {k})")
+        if tuple(experts.shape) != (t, k):
+            raise ValueError(
+                f"forced routing: experts has shape {tuple(experts.shape)} for x "
+                f"of shape {tuple(x.shape)}: one row of k = {k} experts per token, "
+                f"({t}, {k}), expected")
+        if experts.numel() and not (0 <= int(experts.min())
+                                    and int(experts.max()) < e):
+            raise ValueError(
+                f"forced routing: expert ids from {int(experts.min())} to "
+                f"{int(experts.max())}, but this router has {e} experts: ids in "
+                f"[0, {e}) expected")
+        return experts.long()
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """(T, E) scores -> (T, k) experts: the top k of scores + bias, within
@@ -123,12 +154,43 @@ def limit_nodes(scores: torch.Tensor, nodes: int, max_nodes: int, k: int
     return scores.masked_fill(~allowed, float("-inf"))
 
 
+def _whole(name: str, v, low: int) -> int:
+    """v as an int, or ValueError naming it unless v is a whole number >= low."""
+    try:
+        n = operator.index(v)  # ints, numpy and 0-d torch integers; no float, bool
+    except TypeError:
+        n = None
+    if n is None or isinstance(v, bool) or n < low:
+        raise ValueError(f"{name} must be a whole number >= {low}, got {v!r}")
+    return n
+
+
+def check_capacity_factor(factor) -> float | None:
+    """factor if it is None (no capacity) or a finite number > 0, else
+    ValueError saying so (NaN and inf included)."""
+    if factor is None:
+        return None
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not (
+            math.isfinite(factor) and factor > 0):
+        raise ValueError(f"the capacity factor must be a finite number > 0 (None: "
+                         f"no capacity, every pair kept), got {factor!r}")
+    return factor
+
+
 def capacity(factor: float, k: int, tokens: int, experts: int) -> int:
     """Pairs one expert takes from `tokens` tokens: ceil(factor·k·T/E) (Fedus et
-    al. 2021, sec. 2.2, eq. 3, with k choices per token as GShard's 2T/E)."""
-    if factor <= 0:
-        raise ValueError(f"the capacity factor must be > 0, got {factor}")
-    return math.ceil(factor * k * tokens / experts)
+    al. 2021, sec. 2.2, eq. 3, with k choices per token as GShard's 2T/E).
+    ValueError for a factor that is not finite and > 0, or k, E < 1, T < 0."""
+    check_capacity_factor(factor)
+    k, tokens = _whole("capacity: k", k, 1), _whole("capacity: tokens", tokens, 0)
+    experts = _whole("capacity: experts", experts, 1)
+    pairs = factor * k * tokens / experts
+    if not math.isfinite(pairs):
+        raise ValueError(
+            f"capacity factor {factor} x k = {k} x {tokens} tokens / {experts} "
+            f"experts is past float's range: give a smaller factor (c = E/k = "
+            f"{experts / k:g} already lets every expert take all {tokens} tokens)")
+    return math.ceil(pairs)
 
 
 def within_capacity(experts: torch.Tensor, num_experts: int, cap: int | None
@@ -136,13 +198,29 @@ def within_capacity(experts: torch.Tensor, num_experts: int, cap: int | None
     """(T, k) bool: which (token, expert) pairs their expert takes. Each expert
     takes its first `cap` pairs, first choices before second ones and in token
     order within a choice (GShard's priority: Lepikhin et al. 2020, Algorithm
-    1). cap None: all."""
+    1). cap None: all; else a whole number >= 0."""
     if cap is None:
         return torch.ones_like(experts, dtype=torch.bool)
+    cap = _whole("within_capacity: cap, the pairs an expert takes,", cap, 0)
+    num_experts = _whole("within_capacity: num_experts", num_experts, 1)
+    if experts.dim() != 2:
+        raise ValueError(f"within_capacity: experts must be (T, k), one row of "
+                         f"expert ids per token, got shape {tuple(experts.shape)}")
+    if experts.numel() and not (0 <= int(experts.min())
+                                and int(experts.max()) < num_experts):
+        raise ValueError(f"within_capacity: expert ids from {int(experts.min())} "
+                         f"to {int(experts.max())}, ids in [0, {num_experts}) "
+                         "expected")
     t, k = experts.shape
     queue = F.one_hot(experts.t().reshape(-1), num_experts)  # (k T, E), choice-major
     place = (queue.cumsum(0) * queue).sum(1) - 1  # (k T,): place in its queue
     return (place < cap).view(k, t).t()
+
+
+def _finite_at_least_0(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (
+            math.isfinite(v) and v >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
 
 
 def switch_balance_loss(routing: Routing, alpha: float = 1e-2) -> torch.Tensor:
@@ -150,7 +228,8 @@ def switch_balance_loss(routing: Routing, alpha: float = 1e-2) -> torch.Tensor:
     fraction of the T·k pairs routed to expert i, P_i the mean over tokens of
     its probability (scores rescaled to sum to 1 per token: softmax unchanged).
     Equal to α when the routing is uniform; its gradient reaches the router
-    through P."""
+    through P. ValueError for an alpha that is not finite and >= 0."""
+    _finite_at_least_0("switch_balance_loss: alpha", alpha)
     t, k = routing.experts.shape
     e = routing.scores.shape[-1]
     f = routing.load().to(routing.scores.dtype) / (t * k)  # (E,)
@@ -167,7 +246,8 @@ def update_bias(router: Router, load: torch.Tensor, gamma: float = 1e-3, *,
     routed to each expert in the step (Routing.load). sum_over: a process group
     (dist.group.WORLD for all) to sum the load over first, so that every rank
     sees the whole batch and makes the same update; None: this load alone.
-    Returns the new bias."""
+    Returns the new bias. ValueError for a gamma that is not finite and >= 0."""
+    _finite_at_least_0("update_bias: gamma", gamma)
     load = load.to(router.bias.dtype).clone()  # (E,)
     if sum_over is not None:
         dist.all_reduce(load, group=sum_over)

@@ -195,7 +195,7 @@ def ring_attention(q, k, v, group=None, causal: bool = False,
     this chunk's rows of softmax(q k^T * scale [+ causal mask]) v. Differentiable:
     gradients reach q, k and v of this rank's chunk. `merge_fn` combines two
     Partials (the online softmax; a chapter's exercise plugs its own in)."""
-    if not (q.shape == k.shape == v.shape):
+    if not (q.shape == k.shape == v.shape) or q.dim() < 2:
         raise ValueError(f"q, k and v must have one shape (..., s/N, d), got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     group = group if group is not None else dist.group.WORLD

@@ -90,7 +90,12 @@ def sequence_to_heads(x: torch.Tensor, group=None) -> torch.Tensor:
     """(..., a, s/N, d) -> (..., a/N, s, d), differentiable (one all-to-all each
     way). ValueError when the group's N ranks do not divide the a heads."""
     group = group if group is not None else dist.group.WORLD
-    n, a = dist.get_world_size(group), x.shape[-3]
+    n = dist.get_world_size(group)
+    if x.dim() < 3:
+        raise ValueError(f"sequence_to_heads: x of shape {tuple(x.shape)}; "
+                         "(..., a, s/N, d) expected: heads, this rank's rows, "
+                         "head dim")
+    a = x.shape[-3]
     if a % n:
         raise ValueError(f"{a} heads are not divisible by the {n} ranks of the "
                          f"group: Ulysses gives every rank a/N whole heads")
@@ -99,9 +104,20 @@ def sequence_to_heads(x: torch.Tensor, group=None) -> torch.Tensor:
 
 def heads_to_sequence(y: torch.Tensor, group=None) -> torch.Tensor:
     """(..., a/N, s, d) -> (..., a, s/N, d), differentiable: sequence_to_heads'
-    inverse."""
-    return _HeadsToSequence.apply(y, group if group is not None
-                                  else dist.group.WORLD)
+    inverse. ValueError when the group's N ranks do not divide the s rows."""
+    group = group if group is not None else dist.group.WORLD
+    n = dist.get_world_size(group)
+    if y.dim() < 3:
+        raise ValueError(f"heads_to_sequence: y of shape {tuple(y.shape)}; "
+                         "(..., a/N, s, d) expected: this rank's heads, the whole "
+                         "sequence, head dim")
+    s = y.shape[-2]
+    if s % n:
+        raise ValueError(f"sequence length {s} is not divisible by the {n} ranks "
+                         f"of the group: Ulysses gives every rank s/N rows back, "
+                         f"so N must divide s (pad the sequence to a multiple of "
+                         f"{n})")
+    return _HeadsToSequence.apply(y, group)
 
 
 def ulysses_attention(q, k, v, group=None, causal: bool = False,
