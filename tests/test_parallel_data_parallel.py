@@ -152,6 +152,9 @@ def _one_step_traffic(rank, world_size):
             if mode == "parameter_server":
                 dp.broadcast_parameters()
         out[mode, bucket_mb] = [(r.op, r.phase, r.wire_bytes) for r in t.records]
+        out[mode, bucket_mb, "check"] = [
+            (r.payload_bytes, r.wire_bytes) for r in t.records
+            if r.phase == DataParallel.CHECK_PHASE]
     return out
 
 
@@ -171,13 +174,34 @@ def test_psi_counts_tied_weights_once_and_frozen_ones_never():
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == psi
 
 
+def _checked(records):
+    """The records less the usage check's: one all-gather, in its own phase,
+    after every gradient's collective."""
+    at = [i for i, r in enumerate(records) if r[1] == DataParallel.CHECK_PHASE]
+    assert len(at) == 1 and records[at[0]][0] == "all_gather", records
+    assert all(op in ("all_reduce", "gather") for op, _, _ in records[:at[0]])
+    assert all(op == "scatter" for op, _, _ in records[at[0] + 1:])
+    return records[:at[0]] + records[at[0] + 1:]
+
+
+def test_the_usage_check_sends_a_bit_a_parameter(wires):
+    # Tiny(**BIG) has 5 trainable tensors: one byte of bitmask a rank, N in all
+    for records in wires:
+        for key, recs in records.items():
+            if key[-1] == "check":
+                (payload, wire), = recs
+                assert payload == N, (key, payload)
+                # gloo's ring all-gather: N-1 steps, each a header and one byte
+                assert 0 < wire <= (N - 1) * 512, (key, wire)
+
+
 @pytest.mark.parametrize("mode,bucket_mb,calls", [
     ("overlap", None, 5), ("overlap", 0.001, 3), ("naive", None, 5)])
 def test_all_reduce_modes_send_2_n_minus_1_over_n_of_the_gradients(
         wires, mode, bucket_mb, calls):
     S = 4 * 524_795  # fp32 gradient bytes: the tied weight once, the frozen never
     for records in wires:
-        recs = records[mode, bucket_mb]
+        recs = _checked(records[mode, bucket_mb])
         assert [op for op, _, _ in recs] == ["all_reduce"] * calls
         # per rank, ring all-reduce (Patarasuk & Yuan 2009): 2(N-1)/N * S; gloo's
         # headers add ~2 KB a call (measured 1.5033 S with 5 calls, 1.5016 with 2)
@@ -190,7 +214,7 @@ def test_all_reduce_modes_send_2_n_minus_1_over_n_of_the_gradients(
 @pytest.mark.parametrize("bucket_mb", [None, 0.001])
 def test_parameter_server_link_carries_n_minus_1_times_a_workers(wires, bucket_mb):
     S = 4 * 524_795
-    recs = [records["parameter_server", bucket_mb] for records in wires]
+    recs = [_checked(records["parameter_server", bucket_mb]) for records in wires]
     server, workers = recs[0], recs[1:]
     # each worker sends its gradients once (gather to rank 0) and receives the
     # weights once; the server sends the weights to each of N-1 workers (scatter)
@@ -428,3 +452,112 @@ def test_checkpointed_blocks_train_as_one_process(cluster):
                 for rank, params in enumerate(got):
                     oracle.check(params, f"{wrapper}, checkpoint around {how}, "
                                  f"reentrant={reentrant}, rank {rank}")
+
+
+# -- parameters used on some ranks only (issue 36) ------------------------------
+
+
+class Branchy(nn.Module):
+    """Two branches of one shape, picked per call (a data-dependent `if`), and a
+    third that no call uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x, which):
+        return sum(getattr(self, w)(x) for w in which)
+
+
+def _branches(rank, world_size, mode, bucket_mb):
+    import copy
+
+    torch.manual_seed(0)
+    model = Branchy()
+    dp = DataParallel(model, bucket_mb, mode)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    # rank 0 takes branch a, the others b: the ranks used different parameters
+    dp(x, "a" if rank == 0 else "b").square().sum().backward()
+    try:
+        dp.finish_gradient_synchronization()
+        out["refused"] = None
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    out["grads after refusal"] = [p.grad for p in model.parameters()]
+    # every rank takes a (b and c unused on every rank): accepted, and a's
+    # gradient is the mean of the ranks' own, computed here on one rank
+    want = []
+    for r in range(world_size):
+        m = copy.deepcopy(model)
+        xr = torch.randn(4, 3, generator=torch.Generator().manual_seed(r))
+        m(xr, "a").square().sum().backward()
+        want.append(m.a.weight.grad)
+    dp(x, "a").square().sum().backward()
+    dp.finish_gradient_synchronization()
+    if mode == "parameter_server":
+        dp.broadcast_parameters()
+    out["a"] = model.a.weight.grad, sum(want) / world_size
+    out["unused"] = [model.b.weight.grad, model.c.weight.grad]
+    # accumulated: a then b on rank 0, b then a elsewhere: the same in all
+    if mode != "parameter_server":
+        model.zero_grad()
+        with dp.no_sync():
+            dp(x, "a" if rank == 0 else "b").sum().backward()
+        dp(x, "b" if rank == 0 else "a").sum().backward()
+        dp.finish_gradient_synchronization()
+    return out
+
+
+@pytest.mark.parametrize("mode,bucket_mb", [
+    ("overlap", None), ("overlap", 1.0), ("naive", None),
+    ("parameter_server", None)])
+def test_parameters_used_on_some_ranks_only_are_refused_by_name(
+        cluster, mode, bucket_mb):
+    for rank, out in enumerate(cluster.run(_branches, mode, bucket_mb)):
+        msg = out["refused"]
+        assert msg is not None, (
+            f"{mode}, rank {rank}: rank 0 used a, the others b, and no error")
+        assert ("'a.weight' got a gradient on rank 0 but not on ranks 1, 2, 3"
+                in msg), msg
+        assert ("'b.weight' got a gradient on ranks 1, 2, 3 but not on rank 0"
+                in msg), msg
+        assert "c.weight" not in msg, msg  # unused everywhere: fine
+        assert all(g is None for g in out["grads after refusal"]), (
+            "the refused step's gradients were not dropped")
+        got, want = out["a"]
+        if mode != "parameter_server" or rank == 0:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        assert out["unused"] == [None, None]  # unused on every rank: untouched
+
+
+def _two_orders(rank, world_size):
+    import copy
+
+    torch.manual_seed(0)
+    model = Branchy()
+    dp = DataParallel(model)  # overlap, a bucket a tensor
+
+    def loss(m, x, r):  # every rank uses a and b, in an order set by its data
+        return (m.b(m.a(x)) if r % 2 == 0 else m.a(m.b(x))).square().sum()
+
+    want = {k: 0 for k in ("a.weight", "b.weight")}
+    for r in range(world_size):  # each rank's own gradients, on this rank
+        m = copy.deepcopy(model)
+        loss(m, torch.randn(4, 3, generator=torch.Generator().manual_seed(r)),
+             r).backward()
+        for k in want:
+            want[k] = want[k] + m.get_parameter(k).grad / world_size
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))
+    loss(model, x, rank).backward()  # DataParallel's hooks are on the params
+    dp.finish_gradient_synchronization()
+    return {k: (model.get_parameter(k).grad, w) for k, w in want.items()}
+
+
+def test_buckets_go_out_in_order_whatever_order_backward_makes_them(cluster):
+    # rank 0's backward makes b's gradients first, rank 1's a's: sent as they
+    # came, rank 0's b.bias would be averaged with rank 1's a.bias
+    for rank, grads in enumerate(cluster.run(_two_orders)):
+        for k, (got, want) in grads.items():
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7,
+                                       msg=f"rank {rank}, {k}")

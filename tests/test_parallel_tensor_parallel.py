@@ -532,3 +532,114 @@ def test_same_as_dtensor_colwise_rowwise(cluster, t):
         want = [("all_reduce", "forward", n), ("all_reduce", "backward", n)]
         assert r["ours"]["ops"] == want and r["theirs"]["ops"] == want, (
             r["ours"]["ops"], r["theirs"]["ops"], want)
+
+
+# -- layers built directly, the same seed on every rank (issue 36) ------------------
+
+
+def _built_directly(rank, world_size, t):
+    """Each layer built as its docstring shows, after torch.manual_seed(7) on
+    every rank; its tensors, and the generator's next draw after it."""
+    from labkit.parallel import ParallelTransformerLayer
+    from labkit.parallel.tensor_parallel import (
+        ColumnParallelLinear,
+        ParallelMLP,
+        ParallelSelfAttention,
+        RowParallelLinear,
+    )
+
+    group, i, ranks = _group(t) if t > 1 else (_group_one(), 0, [rank])
+    makers = {"column": lambda: ColumnParallelLinear(IN, OUT, group),
+              "row": lambda: RowParallelLinear(IN, OUT, group),
+              "mlp": lambda: ParallelMLP(H, FFN, group),
+              "attention": lambda: ParallelSelfAttention(H, HEADS, group),
+              "layer": lambda: ParallelTransformerLayer(H, HEADS, group)}
+    out = {"i": i, "ranks": ranks}
+    for name, make in makers.items():
+        torch.manual_seed(7)
+        m = make()
+        out[name] = ({k: v.detach().clone() for k, v in m.state_dict().items()},
+                     torch.rand(3))
+    return out
+
+
+def _group_one():
+    import torch.distributed as dist
+
+    if 1 not in _BUILT:  # groups of one rank each: new_group is collective
+        _BUILT[1] = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    return _BUILT[1][dist.get_rank()]
+
+
+def _one_process(name):
+    """The single-process module the parallel one stands for, built after the
+    same torch.manual_seed(7), its tensors and the generator's next draw."""
+    from labkit.parallel.models import TransformerLayer
+
+    torch.manual_seed(7)
+    m = {"column": lambda: nn.Linear(IN, OUT), "row": lambda: nn.Linear(IN, OUT),
+         "mlp": lambda: MLP(H, FFN), "attention": lambda: SelfAttention(H, HEADS),
+         "layer": lambda: TransformerLayer(H, HEADS)}[name]()
+    return {k: v.detach() for k, v in m.state_dict().items()}, torch.rand(3)
+
+
+def _assemble(name, parts):
+    """One process's tensors from the ranks' parts, in group order."""
+    def cat(key, dim=0):
+        return torch.cat([p[key] for p in parts], dim)
+
+    def linear(mine, whole, how):  # a column or row layer's parts, under `whole`
+        return {f"{whole}weight": cat(f"{mine}weight", 0 if how == "col" else 1),
+                f"{whole}bias": (cat(f"{mine}bias") if how == "col"
+                                 else parts[0][f"{mine}bias"])}
+
+    def attention(pre):
+        qkv = {k: [p[f"{pre}qkv.{k}"].chunk(3) for p in parts]
+               for k in ("weight", "bias")}
+        out = {f"{pre}{m}.{k}": torch.cat([c[j] for c in qkv[k]])
+               for j, m in enumerate("qkv") for k in ("weight", "bias")}
+        return out | linear(f"{pre}proj.", f"{pre}proj.", "row")
+
+    def mlp(pre):
+        return (linear(f"{pre}fc1.", f"{pre}fc1.", "col")
+                | linear(f"{pre}fc2.", f"{pre}fc2.", "row"))
+
+    if name in ("column", "row"):
+        return linear("", "", "col" if name == "column" else "row")
+    if name == "mlp":
+        return mlp("")
+    if name == "attention":
+        return attention("")
+    return (attention("attn.") | mlp("mlp.")
+            | {k: v for k, v in parts[0].items() if k.startswith("ln")})
+
+
+@pytest.fixture(scope="module")
+def built_directly(cluster):
+    return {t: cluster.run(_built_directly, t).values for t in (1, 2, 4)}
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("name", ["column", "row", "mlp", "attention", "layer"])
+def test_layers_built_directly_hold_one_process_layer(built_directly, t, name):
+    want, draw = _one_process(name)
+    res = built_directly[t]
+    for first in range(0, len(res), t):  # each group: ranks first .. first+t-1
+        group = sorted(res[first:first + t], key=lambda r: r["i"])
+        assert [r["ranks"] for r in group] == [group[0]["ranks"]] * t
+        parts = [r[name][0] for r in group]
+        got = _assemble(name, parts)
+        assert got.keys() == want.keys(), (name, sorted(got), sorted(want))
+        for k, v in want.items():
+            assert torch.equal(got[k], v), (
+                f"{name}, t={t}, ranks {group[0]['ranks']}: {k} assembled from "
+                f"the ranks is not the one-process layer's (same seed); ranks' "
+                f"parts equal: {[torch.equal(parts[0][k], p[k]) for p in parts]}")
+        for r in group:  # and the generator is where one process leaves it
+            assert torch.equal(r[name][1], draw), (name, t, "next draw differs")
+        if t > 1:  # no two ranks hold the same rows of a split weight
+            for k in parts[0]:
+                if parts[0][k].dim() == 2:
+                    assert not any(torch.equal(parts[a][k], parts[b][k])
+                                   for a in range(t) for b in range(a + 1, t)), (
+                        f"{name}, t={t}: two ranks hold the same {k}")

@@ -12,7 +12,7 @@ when anything runs.
 
 from labkit.conventions import MODEL_STATES
 from labkit.runtime import forkserver as _forkserver
-from labkit.ledger.common import Ledger, in_backward
+from labkit.ledger.common import Ledger, in_backward, recording
 from labkit.ledger.holdings_ledger import Holdings, holdings
 from labkit.ledger.memory_ledger import MEMORY_CATEGORIES, MemoryLedger, Step, memory
 from labkit.ledger.tagging import count_as, on_host
@@ -36,7 +36,7 @@ __all__ = ["MEMORY_CATEGORIES", "MODEL_STATES", "Holdings", "MemoryLedger", "Rec
            "Step", "Span", "TimelineLedger", "TrafficLedger", "count_as", "holdings",
            "memory", "on_host", "overlap_fraction", "sum_records", "summarize",
            "timeline", "traffic"]
-__all__ += ["Ledger", "by_group", "in_backward", "union"]
+__all__ += ["Ledger", "by_group", "in_backward", "recording", "union"]
 
 # ranks forked from now on start with the ledger imported (DTensor: ~2 s each)
 _forkserver.preload_when_idle(__name__)

@@ -34,27 +34,37 @@ Gradient accumulation (梯度累积), k micro-batches a step, as with DDP's `no_
 
 One all-reduce a step instead of k, in the same gradient memory: no_sync() only
 leaves out the sends.
+
+Every rank must use the same parameters in a step (as DDP requires): a branch
+taken on some ranks only is refused, naming the parameters and ranks, while a
+parameter no rank used is fine (its .grad stays as it was). Buckets go out in
+order, every one on every rank (a gradient this rank did not make is sent as
+zeros), so the collectives pair up whatever each rank used; then one all-gather
+of a bitmask of the parameters each rank's backward reached, ceil(P/8) bytes a
+rank, which the traffic ledger books under the phase `CHECK_PHASE`.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-from labkit.ledger import Span, count_as
+from labkit.ledger import Span, count_as, recording
 from labkit.parallel import guards
 from labkit.parallel.data_parallel_buckets import (
     _Bucket,
     _completed_at,
     _make_buckets,
     pack,
+    pack_bits,
     unpack,
+    unpack_bits,
 )
 
 
@@ -68,10 +78,11 @@ class DataParallel(torch.nn.Module):
     first_bucket_mb caps the first one (DDP's defaults: 25 and 1).
     broadcast_buffers: send rank 0's buffers at every forward, as DDP does.
     `events` holds this step's compute and communication spans (labkit.ledger's
-    Span). `mode` is one of MODES.
+    Span; the usage check's all-gather is not among them). `mode` is one of MODES.
     """
 
     MODES = ("overlap", "naive", "parameter_server")
+    CHECK_PHASE = "DataParallel: same parameters used on every rank"
 
     def __init__(self, module: torch.nn.Module, bucket_mb: float | None = None,
                  mode: str = "overlap", *, broadcast_buffers: bool = False,
@@ -108,6 +119,9 @@ class DataParallel(torch.nn.Module):
         cap = None if bucket_mb is None else bucket_mb * 2**20
         first = None if first_bucket_mb is None else first_bucket_mb * 2**20
         self._buckets = _make_buckets(trainable[::-1], cap, first)
+        self._names = [n for b in self._buckets for n in b.names]  # by index
+        self._used = bytearray(len(self._names))  # backward reached it this step
+        self._next = 0  # the next bucket to send (in order, as DDP)
 
         self._spans: list[Span] = []
         self._pending = False  # backward made gradients not yet averaged
@@ -117,8 +131,9 @@ class DataParallel(torch.nn.Module):
         self._backward = guards.Backward(self, "_backward_ended")
         self._compute_start = 0.0
         ref = weakref.ref(self)  # hooks must not keep this wrapper alive
-        handles = [p.register_post_accumulate_grad_hook(partial(_on_grad, ref, b))
-                   for b in self._buckets for p in b.params]
+        params = [(b, p) for b in self._buckets for p in b.params]
+        handles = [p.register_post_accumulate_grad_hook(partial(_on_grad, ref, b, i))
+                   for i, (b, p) in enumerate(params)]
         guards.track(self)
         self._finalizer = weakref.finalize(self, guards.release, handles)
 
@@ -188,6 +203,10 @@ class DataParallel(torch.nn.Module):
         become None, and every rank must call `broadcast_parameters()` after the
         server's `opt.step()`. Call it after each backward, on every rank;
         with no_sync(), after the backward outside it.
+
+        Raises RuntimeError, on every rank, if the ranks' backwards (since the
+        last finish) reached different parameters, naming them and the ranks;
+        that step's gradients are then dropped (set to None).
         """
         if not self._sync:
             raise RuntimeError(
@@ -195,20 +214,30 @@ class DataParallel(torch.nn.Module):
                 "the backwards in it only accumulate this rank's gradients, there "
                 "is nothing to average yet. Run the last micro-batch's backward "
                 "after the with-block, then finish.")
-        for b in self._buckets:  # naive, parameter_server, or grads never made
-            if b.work is None:
-                self._launch(b)
+        for b in self._buckets[self._next:]:  # naive, parameter_server, or a
+            self._launch(b)  # bucket not complete in backward: the rest, in order
+        check = self._issue_check()  # after every bucket, on every rank
         op = "gather" if self.mode == "parameter_server" else "all_reduce"
-        for b in self._buckets:
-            if b.work is not None:
+        try:
+            for b in self._buckets:
                 b.work.wait()
                 self._spans.append(Span("comm", f"{op} bucket {b.index}", b.issued,
                                         b.done.wait(), b.flat.nbytes))
                 self._average(b)
-            b.grads = b.flat = b.gathered = b.work = b.done = None
-            b.ready = 0
-        self._pending, self._accumulated = False, False
-        self._backward.reset()
+            problem = self._usage_problem(*check) if check else None
+        finally:
+            for b in self._buckets:
+                b.grads = b.flat = b.gathered = b.work = b.done = None
+                b.ready = 0
+            self._used[:] = bytes(len(self._used))
+            self._next = 0
+            self._pending, self._accumulated = False, False
+            self._backward.reset()
+        if problem:
+            for b in self._buckets:  # averaged with gradients that do not match
+                for p in b.params:
+                    p.grad = None
+            raise RuntimeError(problem)
         self._awaiting_weights = self.mode == "parameter_server"
 
     @torch.no_grad()
@@ -270,21 +299,33 @@ class DataParallel(torch.nn.Module):
         self._spans.append(Span("compute", "backward", self._compute_start,
                                 time.perf_counter()))
 
-    def _grad_ready(self, b: _Bucket) -> None:
+    def _grad_ready(self, b: _Bucket, index: int) -> None:
         self._backward_started()
+        self._used[index] = 1
         if self.mode != "overlap" or not self._sync:  # all wait for finish
             return
         b.ready += 1  # each grad once: AccumulateGrad runs once per backward
-        if b.ready == len(b.params):
-            self._launch(b)
+        # in bucket order, as DDP: a bucket waits for the ones before it, so the
+        # ranks send the same sequence even where backward's order differs
+        buckets = self._buckets
+        while (self._next < len(buckets)
+               and buckets[self._next].ready == len(buckets[self._next].params)):
+            self._launch(buckets[self._next])
 
     def _launch(self, b: _Bucket) -> None:
-        grads = [p.grad for p in b.params if p.grad is not None]
-        if not grads:
-            return
-        b.grads = grads
-        b.flat = pack(grads)
-        if b.flat is not grads[0]:  # a packed copy to send: a buffer (Temp)
+        """Send bucket b. Every rank sends every bucket, in order, once a step: a
+        gradient this rank did not make goes as zeros (its part of the sum)."""
+        self._next = b.index + 1
+        b.grads = [p.grad for p in b.params]  # None: not made here, left as is
+        if all(g is not None for g in b.grads):
+            b.flat = pack(b.grads)
+        else:
+            b.flat = torch.zeros(sum(p.numel() for p in b.params),
+                                 dtype=b.params[0].dtype, device=b.params[0].device)
+            for g, part in zip(b.grads, b.flat.split([p.numel() for p in b.params])):
+                if g is not None:
+                    part.copy_(g.reshape(-1))
+        if b.flat is not b.grads[0]:  # a packed copy to send: a buffer (Temp)
             count_as(b.flat, "Temp")
         b.issued = time.perf_counter()
         if self.mode == "parameter_server":
@@ -310,10 +351,63 @@ class DataParallel(torch.nn.Module):
                 total += g
             b.flat = total
         b.flat.div_(self.world_size)  # sum -> mean: each rank's loss is a mean
-        unpack(b.flat, b.grads)
+        if all(g is not None for g in b.grads):
+            unpack(b.flat, b.grads)
+        else:  # a parameter no rank used keeps its None (the check says if not)
+            for g, part in zip(b.grads, b.flat.split([p.numel() for p in b.params])):
+                if g is not None:
+                    g.copy_(part.view(g.shape))
+
+    # -- the usage check ---------------------------------------------------------
+
+    def _issue_check(self):
+        """Start the all-gather of every rank's bitmask of the parameters its
+        backward reached; (work, masks), or None with nothing to compare."""
+        if self.world_size == 1 or not self._names:
+            return None
+        mine = pack_bits(self._used).to(self._buckets[0].params[0].device)
+        masks = [torch.empty_like(mine) for _ in range(self.world_size)]
+        for t in (mine, *masks):
+            count_as(t, "Temp")
+        led = recording("traffic")
+        with led.phase(self.CHECK_PHASE) if led is not None else nullcontext():
+            work = dist.all_gather(masks, mine, group=self.group, async_op=True)
+        return work, masks
+
+    def _usage_problem(self, work, masks) -> str | None:
+        """What the ranks' masks say if they differ: each parameter some ranks
+        used and others did not, with both lists of (global) ranks."""
+        work.wait()
+        used = [unpack_bits(m.cpu(), len(self._names)) for m in masks]
+        ranks = dist.get_process_group_ranks(self.group)
+        odd = []
+        for i, name in enumerate(self._names):
+            yes = [r for r, u in zip(ranks, used) if u[i]]
+            if yes and len(yes) < len(ranks):
+                no = [r for r in ranks if r not in yes]
+                odd.append(f"{name!r} got a gradient on {_ranks(yes)} but not on "
+                           f"{_ranks(no)}")
+        if not odd:
+            return None
+        shown = "; ".join(odd[:8]) + (f"; and {len(odd) - 8} more" if len(odd) > 8
+                                      else "")
+        return ("DataParallel: the ranks used different parameters in this step "
+                f"(the backwards since the last finish): {shown}. DataParallel "
+                "needs every rank to use the same parameters each step (one that "
+                "no rank uses is fine: its .grad stays as it was; PyTorch's DDP, "
+                "by default, refuses even that). Run a data-dependent branch on "
+                "every rank "
+                "(e.g. add 0 * its output to the loss), or take the same branch "
+                "on all of them. This step's gradients were dropped (set to "
+                "None); run it again.")
 
 
-def _on_grad(ref, bucket: _Bucket, param: torch.Tensor) -> None:
+def _ranks(ranks: list[int]) -> str:
+    return (f"rank {ranks[0]}" if len(ranks) == 1
+            else "ranks " + ", ".join(map(str, ranks)))
+
+
+def _on_grad(ref, bucket: _Bucket, index: int, param: torch.Tensor) -> None:
     dp = ref()
     if dp is not None:
-        dp._grad_ready(bucket)
+        dp._grad_ready(bucket, index)

@@ -1,6 +1,6 @@
 """DataParallel's buckets: the gradients sent together as one flat tensor (pack,
 unpack), filled by DDP's rule, each holding its collective while it is in
-flight."""
+flight; and the bitmask of the parameters a rank used (pack_bits)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,23 @@ def unpack(flat: torch.Tensor, tensors: list) -> None:
     flat = flat.reshape(-1)  # a lone gradient keeps its shape
     for t, v in zip(tensors, flat.split([t.numel() for t in tensors])):
         t.copy_(v.view(t.shape))
+
+
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def pack_bits(flags: bytes | bytearray) -> torch.Tensor:
+    """One bit a flag (0 or 1), 8 to a byte, flag i in bit i % 8 of byte i // 8:
+    a uint8 tensor of ceil(len(flags) / 8) elements."""
+    bits = torch.zeros(-(-len(flags) // 8) * 8, dtype=torch.uint8)
+    if flags:
+        bits[:len(flags)] = torch.frombuffer(bytearray(flags), dtype=torch.uint8)
+    return (bits.view(-1, 8) * _BITS).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> list[bool]:
+    """The first n flags of pack_bits's result."""
+    return ((packed.unsqueeze(1) & _BITS) != 0).reshape(-1)[:n].tolist()
 
 
 def _completed_at(fut) -> float:

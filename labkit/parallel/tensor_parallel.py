@@ -16,11 +16,14 @@ With sequence_parallel=True (Korthikanti et al. 2022, sec. 4.2.2) the input is
 the sequence shard [s/t, b, h] and is all-gathered instead of f; the output is
 reduce-scattered to a sequence shard instead of g.
 
-Initialization: weights are drawn as nn.Linear draws them (uniform, bound
-1/sqrt(full in_features)), each rank its own slice from its own generator;
-biases start at zero, as in Megatron. `from_linear` / `from_mlp` /
-`from_attention` take this rank's slice of a single-process module (models.py's
-MLP and SelfAttention) instead, so a test or a chapter compares with one process.
+Initialization: every rank draws the whole layer, as one process's nn.Linear
+(or models.py's MLP and SelfAttention) draws it from the global generator, and
+keeps its slice (picotron's way; Megatron's with use_cpu_initialization). With
+the same seed on every rank, as the chapters set it, the t slices are one
+process's layer for any t, and the generator ends where one process's does; a
+rank briefly holds the whole weight. `from_linear` / `from_mlp` /
+`from_attention` take this rank's slice of a single-process module instead, and
+draw nothing.
 Layout: [s, b, h] (sequence first, as Megatron; see models.py) for attention,
 which is models.attention on this rank's heads; the MLP takes any (..., h). The
 operators themselves live in tensor_parallel_mappings.py and are re-exported here.
@@ -29,6 +32,8 @@ operators themselves live in tensor_parallel_mappings.py and are re-exported her
 from __future__ import annotations
 
 import math
+import threading
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -73,9 +78,39 @@ def _group_of(group, who: str):
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
-def _uniform_(t: torch.Tensor, fan_in: int) -> torch.Tensor:
-    bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0  # nn.Linear's bound
-    return nn.init.uniform_(t, -bound, bound)
+_COPYING = threading.local()  # .on: a from_* builds the layer, draws nothing
+
+
+@contextmanager
+def _copying():
+    """Layers built inside take their tensors from a one-process module next."""
+    was = getattr(_COPYING, "on", False)
+    _COPYING.on = True
+    try:
+        yield
+    finally:
+        _COPYING.on = was
+
+
+def _whole_linear(in_features: int, out_features: int, bias: bool):
+    """The (weight, bias) nn.Linear(in_features, out_features) draws now from the
+    global generator, as its reset_parameters does (kaiming_uniform_ with
+    a=sqrt(5), then a uniform bias, bound 1/sqrt(in)); uninitialised inside
+    _copying(), where nothing is drawn."""
+    w = torch.empty(out_features, in_features)
+    b = torch.empty(out_features) if bias else None
+    if not getattr(_COPYING, "on", False):
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        if b is not None:
+            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0.0
+            nn.init.uniform_(b, -bound, bound)
+    return w, b
+
+
+def _part(t: torch.Tensor, dim: int, index: int, parts: int) -> nn.Parameter:
+    """Part `index` of `parts` of t along dim, in its own contiguous storage."""
+    return nn.Parameter(t.chunk(parts, dim)[index].clone(
+        memory_format=torch.contiguous_format))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -97,15 +132,17 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = divide(out_features, self.tp, "out_features")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.weight = nn.Parameter(_uniform_(torch.empty(self.out_per_rank,
-                                                         in_features), in_features))
-        self.bias = nn.Parameter(torch.zeros(self.out_per_rank)) if bias else None
+        w, b = _whole_linear(in_features, out_features, bias)  # one process's
+        self.weight = _part(w, 0, self.tp_rank, self.tp)  # this rank's rows
+        self.bias = None if b is None else _part(b, 0, self.tp_rank, self.tp)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **kw) -> ColumnParallelLinear:
         """This rank's rows of a single-process `linear` (copied, in its dtype)."""
-        layer = cls(linear.in_features, linear.out_features, group,
-                    bias=linear.bias is not None, **kw).to(dtype=linear.weight.dtype)
+        with _copying():
+            layer = cls(linear.in_features, linear.out_features, group,
+                        bias=linear.bias is not None, **kw)
+        layer = layer.to(dtype=linear.weight.dtype)
         rows = slice(layer.tp_rank * layer.out_per_rank,
                      (layer.tp_rank + 1) * layer.out_per_rank)
         with torch.no_grad():
@@ -152,10 +189,9 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = divide(in_features, self.tp, "in_features")
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
-        self.weight = nn.Parameter(_uniform_(torch.empty(out_features,
-                                                         self.in_per_rank),
-                                             in_features))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        w, b = _whole_linear(in_features, out_features, bias)  # one process's
+        self.weight = _part(w, 1, self.tp_rank, self.tp)  # this rank's columns
+        self.bias = None if b is None else nn.Parameter(b)  # whole
         if self.bias is not None:
             self.bias.sequence_parallel = sequence_parallel
 
@@ -163,8 +199,10 @@ class RowParallelLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, group=None, **kw) -> RowParallelLinear:
         """This rank's columns of a single-process `linear`, and its whole bias
         (copied, in its dtype)."""
-        layer = cls(linear.in_features, linear.out_features, group,
-                    bias=linear.bias is not None, **kw).to(dtype=linear.weight.dtype)
+        with _copying():
+            layer = cls(linear.in_features, linear.out_features, group,
+                        bias=linear.bias is not None, **kw)
+        layer = layer.to(dtype=linear.weight.dtype)
         cols = slice(layer.tp_rank * layer.in_per_rank,
                      (layer.tp_rank + 1) * layer.in_per_rank)
         with torch.no_grad():
@@ -212,8 +250,9 @@ class ParallelMLP(nn.Module):
                  ) -> ParallelMLP:
         """This rank's part of a single-process `MLP` (or any module with Linear
         fc1 and fc2)."""
-        out = cls(mlp.fc1.in_features, mlp.fc1.out_features, group,
-                  sequence_parallel)
+        with _copying():
+            out = cls(mlp.fc1.in_features, mlp.fc1.out_features, group,
+                      sequence_parallel)
         kw = {"sequence_parallel": sequence_parallel}
         out.fc1 = ColumnParallelLinear.from_linear(mlp.fc1, group, **kw)
         out.fc2 = RowParallelLinear.from_linear(mlp.fc2, group, **kw)
@@ -233,11 +272,18 @@ class ParallelSelfAttention(nn.Module):
     def __init__(self, hidden: int, heads: int, group=None,
                  sequence_parallel: bool = False, causal: bool = True):
         super().__init__()
-        _, tp, _ = _group_of(group, "ParallelSelfAttention")
+        _, tp, tp_rank = _group_of(group, "ParallelSelfAttention")
         self.head_dim = _head_dim(hidden, heads)
         self.local_heads = divide(heads, tp, "heads")
-        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, group,
-                                        sequence_parallel=sequence_parallel)
+        with _copying():
+            self.qkv = ColumnParallelLinear(hidden, 3 * hidden, group,
+                                            sequence_parallel=sequence_parallel)
+        # one process's q, k and v (SelfAttention's, in its order): this rank's
+        # heads' rows of each, one after another
+        drawn = [_whole_linear(hidden, hidden, True) for _ in "qkv"]
+        with torch.no_grad():
+            self.qkv.weight.copy_(torch.cat([w.chunk(tp)[tp_rank] for w, _ in drawn]))
+            self.qkv.bias.copy_(torch.cat([b.chunk(tp)[tp_rank] for _, b in drawn]))
         self.hidden, self.heads, self.causal = hidden, heads, causal
         self.proj = RowParallelLinear(hidden, hidden, group,
                                       sequence_parallel=sequence_parallel)
@@ -247,8 +293,10 @@ class ParallelSelfAttention(nn.Module):
                        sequence_parallel: bool = False) -> ParallelSelfAttention:
         """This rank's heads of a single-process `SelfAttention` (in its dtype)."""
         hidden = attn.q.in_features
-        out = cls(hidden, hidden // attn.head_dim, group, sequence_parallel,
-                  attn.causal).to(dtype=attn.q.weight.dtype)
+        with _copying():
+            out = cls(hidden, hidden // attn.head_dim, group, sequence_parallel,
+                      attn.causal)
+        out = out.to(dtype=attn.q.weight.dtype)
         r, k = out.qkv.tp_rank, hidden // out.qkv.tp
         mine = slice(r * k, (r + 1) * k)  # this rank's heads' features
         with torch.no_grad():
