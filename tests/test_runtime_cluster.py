@@ -531,3 +531,318 @@ def test_the_status_thread_lets_go_of_the_frame_it_read():
     finally:
         ours.close()
         server.join(timeout=5)
+
+
+# ------------------------------------------- threads, bounded sends, bad values
+# (issue 36: one locking contract for run/close/restart, a send that gives up,
+# one Timeouts record, and errors that name the value that was wrong)
+
+
+def _mark_then_sleep(rank, world_size, marker):
+    import pathlib
+    import time
+
+    pathlib.Path(f"{marker}.{rank}").touch()  # the call runs on this rank now
+    time.sleep(60)
+
+
+def _in_thread(fn, *args, **kwargs):
+    """Start fn(*args, **kwargs) in a thread: (the thread, a dict that gets
+    'value' or 'error')."""
+    out = {}
+
+    def target():
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, out
+
+
+def _wait_for(paths, seconds: float = 30.0) -> None:
+    end = time.monotonic() + seconds
+    while not all(os.path.exists(p) for p in paths):
+        assert time.monotonic() < end, f"never appeared: {paths}"
+        time.sleep(0.01)
+
+
+def test_close_from_another_thread_interrupts_the_call_and_says_so(tmp_path):
+    marker = str(tmp_path / "running")
+    with labkit.Cluster(2, timeout=None) as c:
+        pids = list(c.pids.values())
+        t, out = _in_thread(c.run, _mark_then_sleep, marker)
+        _wait_for([f"{marker}.{r}" for r in range(2)])
+        c.close()
+        t.join(10)
+        assert not t.is_alive(), "the call still runs 10 s after close()"
+        err = out.get("error")
+        assert isinstance(err, labkit.ClusterClosed), out
+        assert "interrupted: cluster.close() was called from another thread" in \
+            str(err)
+        assert "the next run starts them again" not in str(err)  # it would not
+        assert not wait_gone(pids, 2.0)
+        with pytest.raises(labkit.ClusterClosed, match="is closed"):
+            c.run(_rank_and_size)
+
+
+def test_restart_from_another_thread_interrupts_the_call_and_keeps_its_ranks(
+        tmp_path, monkeypatch):
+    marker = str(tmp_path / "running")
+    with labkit.Cluster(2, timeout=None) as c:
+        old = c.pids
+        restarted = threading.Event()
+        how_ended = c._how_ended
+
+        def after_the_restart(rank):  # the call saw a rank go: let restart() end
+            restarted.wait(5)  # first, as it may (deterministic, not a race)
+            return how_ended(rank)
+
+        monkeypatch.setattr(c, "_how_ended", after_the_restart)
+        t, out = _in_thread(c.run, _mark_then_sleep, marker)
+        _wait_for([f"{marker}.{r}" for r in range(2)])
+        c.restart()
+        restarted.set()
+        new = c.pids
+        t.join(10)
+        assert not t.is_alive(), "the call still runs 10 s after restart()"
+        err = out.get("error")
+        assert isinstance(err, labkit.runtime.CallInterrupted), out
+        assert "cluster.restart() was called from another thread" in str(err)
+        assert set(new.values()).isdisjoint(old.values())
+        assert not wait_gone(old.values(), 2.0)
+        assert all(alive(p) for p in new.values()), (
+            "the interrupted call's cleanup killed the ranks restart() started")
+        assert c.run(_rank_and_size).values == [(0, 2), (1, 2)]
+        assert c.pids == new  # no second restart was needed
+
+
+def test_two_threads_stopping_the_ranks_never_use_a_closed_pidfd(monkeypatch):
+    """restart() in one thread is paused just before it signals a rank's pidfd;
+    close() in another would close that descriptor meanwhile, and the signal
+    then went to a closed (or reused: another process's) descriptor. Every
+    descriptor signalled must still be the pidfd of one of this cluster's ranks."""
+    if not hasattr(os, "pidfd_open"):
+        pytest.skip("no pidfds here")
+    real = signal.pidfd_send_signal
+    paused, go_on = threading.Event(), threading.Event()
+    seen = []  # (fd, the pid it was the pidfd of, or None)
+
+    def pidfd_of(fd):
+        try:
+            with open(f"/proc/self/fdinfo/{fd}") as f:
+                pid = [ln.split()[1] for ln in f if ln.startswith("Pid:")]
+        except OSError:
+            return None
+        return int(pid[0]) if pid else None
+
+    def send_signal(fd, sig, *args):
+        if threading.current_thread().name == "restarter" and not paused.is_set():
+            paused.set()
+            go_on.wait(1.0)  # until close() ran, or 1 s if it waits for us
+        seen.append((fd, pidfd_of(fd)))
+        return real(fd, sig, *args)
+
+    with labkit.Cluster(2) as c:
+        if not c._pidfds:
+            pytest.skip("no pidfds here")
+        started = set(c.pids.values())
+        monkeypatch.setattr(signal, "pidfd_send_signal", send_signal)
+
+        def restart():
+            c.restart()
+            return set(c.pids.values())  # the ranks it started
+
+        restarter = threading.Thread(
+            target=lambda: out.update(zip(("new", "error"), _returned(restart))),
+            name="restarter", daemon=True)
+        out = {}
+        restarter.start()
+        assert paused.wait(10)
+        t, closed = _in_thread(c.close)
+        t.join(0.5)
+        go_on.set()
+        restarter.join(30)
+        t.join(30)
+    assert "error" not in closed, closed
+    assert out["error"] is None, f"restart() raised {out['error']!r}"
+    assert [fd for fd, pid in seen if pid is None] == [], (
+        f"a signal went to a descriptor that was no process's pidfd: {seen}")
+    assert not wait_gone(started | out["new"], 2.0)
+
+
+def _returned(fn):
+    """(what fn() returned, None), or (None, what it raised)."""
+    try:
+        return fn(), None
+    except BaseException as e:  # noqa: BLE001
+        return None, e
+
+
+def test_default_cluster_is_made_once_when_two_threads_ask_at_once(monkeypatch):
+    from labkit.runtime import cluster as cluster_module
+
+    made = []
+    both = threading.Barrier(2, timeout=0.5)
+
+    class Slow:  # a Cluster that takes a while to start (no ranks here)
+        _closed = False
+
+        def __init__(self, world_size):
+            made.append(self)
+            try:
+                both.wait()  # both threads in here at once, unless one waits
+            except threading.BrokenBarrierError:
+                pass
+
+    monkeypatch.setattr(cluster_module, "Cluster", Slow)
+    monkeypatch.setattr(cluster_module, "_DEFAULT_CLUSTERS", {})
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(
+        cluster_module.default_cluster(3))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert len(made) == 1 and got[0] is got[1], f"{len(made)} clusters made"
+
+
+def _size_of(rank, world_size, t):
+    return t.numel()
+
+
+def test_a_rank_that_does_not_read_its_call_fails_the_send_in_bounded_time():
+    """A large argument to a rank that is alive but not reading (here: stopped)
+    blocked the kernel forever, outside `timeout`."""
+    big = torch.zeros(4 << 20)  # 16 MiB: far more than a socket buffer holds
+    with labkit.Cluster(2) as c:
+        victim = c.pids[1]
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.monotonic()
+        t, out = _in_thread(c.run, _size_of, big, timeout=1)
+        t.join(15)
+        assert not t.is_alive(), "sending the call still blocks after 15 s"
+        assert time.monotonic() - t0 < 6
+        err = out.get("error")
+        assert isinstance(err, RankError) and isinstance(err, TimeoutError), out
+        assert "rank 1 did not take the call within 1 s (the call's timeout)" in \
+            str(err)
+        assert "alive but not reading" in str(err)
+        assert not wait_gone([victim], 2.0)  # stopped like after any fault
+        assert c.run(_size_of, big).values == [big.numel()] * 2
+        # with no call timeout, Timeouts.send bounds it
+        c.timeouts = labkit.runtime.Timeouts(send=0.5)
+        os.kill(c.pids[0], signal.SIGSTOP)
+        with pytest.raises(labkit.runtime.SendTimeout,
+                           match=r"rank 0 .* within 0.5 s \(Timeouts.send\)"):
+            c.run(_size_of, big, timeout=None)
+        assert c.run(_rank_and_size).values == [(0, 2), (1, 2)]
+
+
+def test_send_bytes_by_gives_up_at_its_deadline_and_wakes_on_request():
+    from labkit.runtime import wire
+
+    ours, theirs = socket.socketpair()  # `theirs` never reads
+    r, w = os.pipe()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(wire.Stalled) as ei:
+            wire.send_bytes_by(ours, bytes(8 << 20), time.monotonic() + 0.3)
+        assert 0.3 <= time.monotonic() - t0 < 2
+        assert 0 < ei.value.sent < ei.value.total == 8 + (8 << 20)
+
+        class Woken(Exception):
+            pass
+
+        def woken():
+            raise Woken
+
+        threading.Timer(0.1, os.write, (w, b"!")).start()
+        with pytest.raises(Woken):
+            wire.send_bytes_by(ours, bytes(8 << 20), time.monotonic() + 10, r,
+                               woken)
+    finally:
+        for s in (ours, theirs):
+            s.close()
+        os.close(r)
+        os.close(w)
+
+
+def _fails_or_sleeps(rank, world_size):
+    import time
+
+    if rank == 1:
+        raise ValueError("rank 1 fails at once")
+    time.sleep(1.0)
+    return rank
+
+
+def test_the_timeouts_record_is_what_the_cluster_waits_by():
+    from labkit.runtime import Timeouts
+
+    with labkit.Cluster(2, timeouts=Timeouts(grace=5.0)) as c:
+        assert c.timeouts.grace == 5.0 and c.timeouts.send == Timeouts().send
+        with pytest.raises(RankError) as ei:  # rank 0 may finish in the grace
+            c.run(_fails_or_sleeps)
+        assert ei.value.finished == [0]
+        c.timeouts = Timeouts(grace=0.1)  # and then it may not
+        with pytest.raises(RankError) as ei:
+            c.run(_fails_or_sleeps)
+        assert ei.value.finished == [] and 0 in ei.value.busy
+        with pytest.raises(TypeError, match="timeouts must be a labkit.runtime"):
+            c.timeouts = {"grace": 1}
+
+
+@pytest.mark.parametrize("field, value", [("send", float("inf")), ("grace", 0),
+                                          ("start", float("nan")), ("stop", -1),
+                                          ("poll", "fast"), ("collective", 10**400)])
+def test_bad_timeouts_fields_name_the_field(field, value):
+    from labkit.runtime import Timeouts
+
+    with pytest.raises((TypeError, ValueError),
+                       match=rf"Timeouts\.{field} must be a number > 0 seconds, "
+                             r"at most 31536000 \(a year\); got"):
+        Timeouts(**{field: value})
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", [
+    ({"timeout": float("inf")}, ValueError,
+     r"^timeout must be a number > 0 seconds, at most 31536000 \(a year\), or None "
+     r"for no limit; got inf$"),
+    ({"timeout": float("nan")}, ValueError, r"^timeout must be .*; got nan$"),
+    ({"timeout": 1e300}, ValueError, r"^timeout must be .*; got 1e\+300$"),
+    ({"idle_timeout": float("inf")}, ValueError,
+     r"^idle_timeout must be a number > 0 seconds, at most 31536000 \(a year\), or "
+     r"None for never; got inf$"),
+    ({"idle_timeout": -5}, ValueError, r"^idle_timeout must be .*; got -5$"),
+    ({"idle_timeout": "soon"}, TypeError, r"^idle_timeout must be .*; got 'soon'$"),
+    ({"threads": 10**400}, ValueError, r"^threads must be a whole number"),
+    ({"timeouts": "fast"}, TypeError, r"^timeouts must be a labkit.runtime.Timeouts"),
+])
+def test_bad_numbers_for_a_cluster_name_the_argument(kwargs, exc, pattern):
+    t0 = time.monotonic()
+    with pytest.raises(exc, match=pattern):
+        labkit.Cluster(2, **kwargs)
+    assert time.monotonic() - t0 < 1, "refused only after starting the ranks"
+
+
+@pytest.mark.parametrize("value", ["-5", "abc", "inf", "nan", "1e400"])
+def test_a_bad_labkit_idle_timeout_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv("LABKIT_IDLE_TIMEOUT", value)
+    with pytest.raises(ValueError,
+                       match=r"^\$LABKIT_IDLE_TIMEOUT must be a number > 0 seconds, "
+                             r"at most 31536000 \(a year\), or 0 or unset for "
+                             rf"never; got '{value}'$"):
+        labkit.Cluster(2)
+
+
+def test_idle_timeout_and_run_timeout_set_later_are_checked_too(cluster):
+    for bad in (float("inf"), float("nan"), 0):
+        with pytest.raises(ValueError, match="^idle_timeout must be"):
+            cluster.idle_timeout = bad
+        with pytest.raises(ValueError, match="^timeout must be"):
+            cluster.run(_rank_and_size, timeout=bad)
+    assert cluster.idle_timeout is None
+    assert cluster.run(_rank_and_size, timeout=1e6).values[0] == (0, 4)

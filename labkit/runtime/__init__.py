@@ -3,7 +3,8 @@
 `Cluster` and `run` (cluster.py), the forkserver that forks ranks with torch
 already imported (forkserver.py) and the loop each rank runs (rank.py), the typed
 messages between kernel, forkserver and ranks (messages.py) over length-prefixed
-frames (wire.py), results and errors (results.py), `%%ranks` (magics.py), and
+frames (wire.py), results and errors (results.py), how long each wait may take
+(timeouts.py), `%%ranks` (magics.py), and
 `launch` under torchrun (launch.py) and the per-rank result files it writes and
 `load_results` merges (results_io.py). Imports only labkit.units and the standard
 library, torch and cloudpickle.
@@ -16,12 +17,15 @@ _forkserver.prewarm()  # in a notebook: the rank forkserver imports torch meanwh
 from labkit.runtime.cluster import Cluster, default_cluster, run  # noqa: E402
 from labkit.runtime.progress import progress  # noqa: E402
 from labkit.runtime.results import (  # noqa: E402
+    CallInterrupted,
     ClusterClosed,
     CollectiveTimeout,
     RankError,
     RankResults,
+    SendTimeout,
 )
 from labkit.runtime.results_io import ResultsError, load_results  # noqa: E402
+from labkit.runtime.timeouts import Timeouts  # noqa: E402
 
 # for the layers above (the CLI, the checks, the ledgers)
 from labkit.runtime.backend import gpu_count, resolve_backend  # noqa: E402
@@ -30,7 +34,8 @@ from labkit.runtime.rank import set_activity  # noqa: E402
 from labkit.runtime.results_io import merge_records, read_records  # noqa: E402
 from labkit.runtime.status import innermost_users, line_of  # noqa: E402
 
-__all__ = ["Cluster", "ClusterClosed", "CollectiveTimeout", "RankError", "RankResults",
-           "ResultsError", "default_cluster", "load_results", "progress", "run"]
+__all__ = ["CallInterrupted", "Cluster", "ClusterClosed", "CollectiveTimeout",
+           "RankError", "RankResults", "ResultsError", "SendTimeout", "Timeouts",
+           "default_cluster", "load_results", "progress", "run"]
 __all__ += ["gpu_count", "innermost_users", "launch_torchrun", "line_of",
             "merge_records", "read_records", "resolve_backend", "set_activity"]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from datetime import timedelta
 
+from labkit.runtime.timeouts import DEFAULT, check_seconds
+
 MAX_WORLD_SIZE = 64
 
 _GPU_COUNT: int | None = None
@@ -28,7 +30,7 @@ def gpu_count() -> int:
                 out = subprocess.run(
                     [sys.executable, "-c",
                      "import torch; print(torch.cuda.device_count())"],
-                    capture_output=True, text=True, timeout=120,
+                    capture_output=True, text=True, timeout=DEFAULT.start,
                 )
                 n = int(out.stdout.strip() or 0)
             _GPU_COUNT = n
@@ -51,7 +53,7 @@ def resolve_backend(backend: str, world_size: int, gpus: int | None = None) -> s
     return "nccl" if gpus >= world_size else "gloo"
 
 
-def make_store():
+def make_store(timeout: float = DEFAULT.store):
     """A TCPStore for rendezvous, listening on 127.0.0.1 only, on a free port."""
     import torch.distributed as dist
 
@@ -60,7 +62,7 @@ def make_store():
         sock.bind(("127.0.0.1", 0))
         sock.listen(512)
         port = sock.getsockname()[1]
-        store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60),
+        store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=timeout),
                               wait_for_workers=False, master_listen_fd=sock.fileno())
     except BaseException:
         sock.close()
@@ -79,36 +81,37 @@ def check_world_size(world_size) -> int:
 
 
 THREADS_ENV = "LABKIT_THREADS"  # torch threads per rank, for a whole server
+MAX_THREADS = 1024
 
 
 def rank_threads(given, world_size: int) -> int:
     """Torch threads per rank: `given`, else $LABKIT_THREADS, else the cores this
     process may run on (its CPU affinity) shared among the ranks, at least 1."""
     where = "threads"
+    allowed = f"a whole number >= 1 (at most {MAX_THREADS})"
     if given is None and os.environ.get(THREADS_ENV):
         given, where = os.environ[THREADS_ENV], f"${THREADS_ENV}"
         try:
             given = int(given)
         except ValueError:
-            raise ValueError(f"{where} must be a whole number >= 1, got {given!r}") \
-                from None
+            raise ValueError(f"{where} must be {allowed}, got {given!r}") from None
     if given is None:
         cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                  else os.cpu_count() or 1)
         return max(1, cores // world_size)
-    if isinstance(given, bool) or not isinstance(given, int) or given < 1:
-        raise ValueError(f"{where} must be a whole number >= 1, got {given!r}")
+    if isinstance(given, bool) or not isinstance(given, int) or \
+            not 1 <= given <= MAX_THREADS:
+        got = f"an integer of {given.bit_length()} bits" if isinstance(given, int) \
+            and given > 10 ** 100 else repr(given)
+        raise ValueError(f"{where} must be {allowed}, got {got}")
     return given
 
 
-def check_timeout(timeout) -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-    return float(timeout)
+def check_timeout(timeout, name: str = "timeout", none: str = "no limit"
+                  ) -> float | None:
+    """Seconds, or None (`none` says what None means there); the error names
+    `name`, the argument or variable the value came from."""
+    return check_seconds(timeout, name, none=none)
 
 
 def check_ranks(ranks, world_size: int) -> list[int]:

@@ -1,37 +1,49 @@
 """One call on the ranks: send it, collect what each rank answers (or how it
-failed), ask the ranks still busy what they are doing, and print what they wrote."""
+failed), ask the ranks still busy what they are doing, and print what they wrote.
+
+Every wait is bounded by the cluster's Timeouts (sending included), and a call
+stops early, raising Interrupted, when close() or restart() from another thread
+wakes it (RankLinks.wake, .stop_for)."""
 
 from __future__ import annotations
 
 import io
 import itertools
+import os
 import selectors
 import time
 import types
 from collections import ChainMap
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cloudpickle
 
 from labkit.runtime import wire
 from labkit.runtime.forkserver import select_one
-from labkit.runtime.live import (
-    STATUS_AFTER,
-    STATUS_EVERY,
-    LiveView,
-    display_publisher,
-    live_frontend,
-)
+from labkit.runtime.live import LiveView, display_publisher, live_frontend
 from labkit.runtime.messages import Call, Progress, Raised, Returned, StatusRequest
 from labkit.runtime.output import write_transcript
-from labkit.runtime.results import RankResults, build_error
+from labkit.runtime.results import RankResults, SendTimeout, build_error
 from labkit.runtime.status import describe_busy, describe_live
+from labkit.runtime.timeouts import DEFAULT, Timeouts
+from labkit.units import human_bytes
 
-GRACE = 0.5  # after one rank fails, how long the others get to finish
-STATUS_TIMEOUT = 1.0
-TICK = 0.1  # seconds between looks at the ranks' output while a call is watched
 _CALL_IDS = itertools.count(1)
+WAKE = "wake"  # the selector key's data of the cluster's wake-up pipe
+
+
+class Interrupted(Exception):
+    """close() or restart(), from another thread, stopped the call; `by` says
+    which ('close()', 'restart()')."""
+
+    def __init__(self, by: str):
+        super().__init__(by)
+        self.by = by
+
+
+def _never() -> None:
+    return None
 
 
 def _publisher():
@@ -51,6 +63,9 @@ class RankLinks:
     output: object  # labkit.runtime.output.RankOutput
     how_ended: Callable[[int], str]
     world_size: int
+    timeouts: Timeouts = DEFAULT
+    wake: int | None = None  # a pipe's read end, in `selector` with data WAKE
+    stop_for: Callable[[], str | None] = field(default=_never)  # who woke it
 
 
 class CallInFlight:
@@ -63,19 +78,17 @@ class CallInFlight:
         self.ranks = ranks
         self.timeout = timeout
         self.output = links.output
+        self.times = links.timeouts
         publish = _publisher() if publish is None else publish
-        self.view = LiveView(ranks, self.output.width, publish) if publish else None
+        self.view = LiveView(ranks, self.output.width, publish,
+                             self.times.redraw) if publish else None
         self.asked: set[int] = set()  # status requests not yet answered
         self.returned: dict[int, Returned] = {}
         self.failed: dict[int, object] = {}  # rank -> RemoteError, or how it died
 
     def collect(self, payload: bytes) -> RankResults:
-        main = self.links.calls
-        for r in self.ranks:
-            try:
-                wire.send_bytes(main[r], payload)
-            except OSError:
-                pass  # a dead rank: its EOF is reported below
+        self.started = time.monotonic()
+        self._send(payload)
         finished, shown = False, False
         try:
             pending = self._wait()
@@ -96,31 +109,71 @@ class CallInFlight:
                            {r: m.seconds for r, m in self.returned.items()},
                            self.links.world_size)
 
+    def _send(self, payload: bytes) -> None:
+        """The call to every rank, each send bounded by Timeouts.send (or the
+        call's timeout, if shorter): a rank that does not read it fails the
+        call (SendTimeout), and close()/restart() from another thread stop it."""
+        limit, which = self.times.send, "Timeouts.send"
+        if self.timeout is not None and self.timeout < limit:
+            limit, which = self.timeout, "the call's timeout"
+        deadline = self.started + limit
+        for r in self.ranks:
+            self._check_stop()
+            try:
+                wire.send_bytes_by(self.links.calls[r], payload, deadline,
+                                   self.links.wake, self._woken)
+            except wire.Stalled as e:
+                raise SendTimeout(
+                    f"rank {r} did not take the call within {limit:g} s ({which}):"
+                    f" {human_bytes(e.sent)} of {human_bytes(e.total)} sent. The "
+                    "rank is alive but not reading (stopped, or stuck outside a "
+                    "call).\n\nThe ranks were stopped; the next run starts them "
+                    "again.", busy={r: "not reading the call"},
+                    finished=[]) from None
+            except OSError:
+                continue  # a dead rank: its EOF is reported below
+
+    def _check_stop(self) -> None:
+        """Raise Interrupted if close() or restart() from another thread asked
+        this call to stop."""
+        by = self.links.stop_for()
+        if by is not None:
+            raise Interrupted(by)
+
+    def _woken(self) -> None:
+        """The wake-up pipe is readable: empty it, and stop if asked to."""
+        drain(self.links.wake)
+        self._check_stop()
+
     def _wait(self) -> set[int]:
-        """Take in replies until every rank answered, one failed (then GRACE), or
-        the timeout; the ranks still pending."""
+        """Take in replies until every rank answered, one failed (then the
+        grace), or the timeout; the ranks still pending."""
         sel = self.links.selector
-        start = time.monotonic()
+        start = self.started
         deadline = None if self.timeout is None else start + self.timeout
         pending = set(self.ranks)
         first_failure = None
-        next_status = start + STATUS_AFTER
+        next_status = start + self.times.status_after
         while pending:
             stop = deadline
             if first_failure is not None:
-                grace_end = first_failure + GRACE
+                grace_end = first_failure + self.times.grace
                 stop = grace_end if stop is None else min(stop, grace_end)
             now = time.monotonic()
             left = None if stop is None else stop - now
             if left is not None and left <= 0:
                 break
             if self.view is not None:
-                left = TICK if left is None else min(left, TICK)
+                tick = self.times.poll
+                left = tick if left is None else min(left, tick)
                 self._watch(pending, now, next_status)
                 if now >= next_status:
-                    next_status = now + STATUS_EVERY
+                    next_status = now + self.times.status_every
             for key, _ in sel.select(left):
                 r = key.data
+                if r == WAKE:  # close() or restart() from another thread?
+                    self._woken()
+                    continue
                 if isinstance(r, tuple):  # ("status", rank): a live status line
                     self._take_status(r[1])
                     continue
@@ -183,7 +236,7 @@ class CallInFlight:
         for r in sorted(self.asked):
             sock = self.links.status[r]
             sel.unregister(sock)
-            if select_one(sock, STATUS_TIMEOUT)[0]:
+            if select_one(sock, self.times.status)[0]:
                 wire.recv(sock)
         self.asked.clear()
 
@@ -204,13 +257,23 @@ class CallInFlight:
             except (OSError, KeyError):
                 pass
         out = {r: "not answering" for r in ranks}
-        end = time.monotonic() + STATUS_TIMEOUT
+        end = time.monotonic() + self.times.status
         for r in asked:
             if select_one(status[r], max(0.0, end - time.monotonic()))[0]:
                 st = wire.recv(status[r])
                 if st is not None:
                     out[r] = describe_busy(st)
         return out
+
+
+def drain(fd: int | None) -> None:
+    """Read whatever is in the (non-blocking) pipe `fd`."""
+    if fd is not None:
+        try:
+            while os.read(fd, 512):
+                pass
+        except BlockingIOError:
+            pass
 
 
 def _unwrapped(fn):

@@ -10,18 +10,26 @@ TCPStore this process hosts on 127.0.0.1, and wait for work. Any failure (an
 exception, a hang past `timeout`, a dead rank, an interrupt) stops every rank; the
 next `run` starts them again. So does `idle_timeout` (or LABKIT_IDLE_TIMEOUT, for a
 whole server): ranks left idle that long are stopped and their memory given back.
+Every other wait is bounded by `cluster.timeouts` (a Timeouts record).
+
+Threads: one call at a time. `run` holds the cluster's lock for the whole call;
+a call from another thread waits its turn. `close()` and `restart()` take the
+same lock: called from another thread while a call runs, they interrupt it (it
+stops within `Timeouts.poll`, or the bounded wait it is in, and raises
+ClusterClosed or CallInterrupted, naming which), its ranks are stopped, and then
+they run, before any call that was waiting. The idle timer stops only ranks no
+call holds. Ctrl-C in the thread running a call stops the ranks, as any failure.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import selectors
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -35,14 +43,22 @@ from labkit.runtime.backend import (
     rank_threads,
     resolve_backend,
 )
-from labkit.runtime.call import CallInFlight, RankLinks, pack_call
+from labkit.runtime.call import (
+    WAKE,
+    CallInFlight,
+    Interrupted,
+    RankLinks,
+    drain,
+    pack_call,
+)
 from labkit.runtime.forkserver import select_one
 from labkit.runtime.idle import IdleTimer, idle_seconds
 from labkit.runtime.messages import Hello, JoinFailed, RankSpec
 from labkit.runtime.output import RankOutput
-from labkit.runtime.results import ClusterClosed, RankResults
+from labkit.runtime.results import CallInterrupted, ClusterClosed, RankResults
+from labkit.runtime.scratch import Scratch
+from labkit.runtime.timeouts import Timeouts
 
-START_TIMEOUT = 120.0  # first start waits for the forkserver's torch import
 _DEFAULT = object()
 
 
@@ -59,20 +75,26 @@ class Cluster:
     idle_timeout: seconds after the last call (or the start) when the ranks are
     stopped, to give their memory back; the next `run` starts them again,
     without the variables earlier %%ranks cells left on them (default:
-    $LABKIT_IDLE_TIMEOUT, else None: never).
+    $LABKIT_IDLE_TIMEOUT, else None: never). timeouts: how long every other
+    wait may take (a Timeouts record; default Timeouts()).
     """
 
     def __init__(self, world_size: int = 4, backend: str = "auto",
                  timeout: float | None = 30.0, *, threads: int | None = None,
-                 idle_timeout=_DEFAULT):
+                 idle_timeout=_DEFAULT, timeouts: Timeouts | None = None):
+        self._closed = False
+        self._lock = threading.RLock()  # held by a call, close(), restart()
+        self._turn = threading.Condition(threading.Lock())  # guards the next 3
+        self._waiting = 0  # close()/restart() waiting for the lock
+        self._caller: int | None = None  # the thread whose call holds the lock
+        self._stop_for: str | None = None  # who asked that call to stop
         self.world_size = check_world_size(world_size)
         self.timeout = check_timeout(timeout)
+        self.timeouts = timeouts
         self.idle_timeout = idle_seconds(idle_timeout, _DEFAULT)
         self._idle = IdleTimer(self)
         self.backend = resolve_backend(backend, self.world_size)
         self.threads = rank_threads(threads, self.world_size)
-        self._closed = False
-        self._lock = threading.RLock()
         self._gen = 0
         self._calls = 0
         self._pids: dict[int, int] = {}
@@ -80,7 +102,12 @@ class Cluster:
         self._main: dict[int, socket.socket] = {}
         self._status: dict[int, socket.socket] = {}
         self._sel = selectors.DefaultSelector()
-        self._dir = tempfile.mkdtemp(prefix="labkit-")
+        self._wake_r, self._wake_w = os.pipe()  # close()/restart() wake a call
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, WAKE)
+        self._scratch = Scratch()  # removes what killed kernels left
+        self._dir = self._scratch.path
         self._output = RankOutput(self._dir, self.world_size)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._store = None
@@ -88,7 +115,7 @@ class Cluster:
         try:
             self._listener.bind(os.path.join(self._dir, "ranks.sock"))
             self._listener.listen(2 * self.world_size)
-            self._store, self.port = make_store()
+            self._store, self.port = make_store(self.timeouts.store)
             self._start()
             self._idle.arm()
         except BaseException:
@@ -105,7 +132,22 @@ class Cluster:
 
     @idle_timeout.setter
     def idle_timeout(self, seconds) -> None:
-        self._idle_timeout = check_timeout(seconds)
+        self._idle_timeout = check_timeout(seconds, "idle_timeout", none="never")
+
+    @property
+    def timeouts(self) -> Timeouts:
+        """How long each wait of the runtime may take (see Timeouts); set a new
+        record, e.g. dataclasses.replace(cluster.timeouts, send=5)."""
+        return self._timeouts
+
+    @timeouts.setter
+    def timeouts(self, value) -> None:
+        if value is None:
+            value = Timeouts()
+        if not isinstance(value, Timeouts):
+            raise TypeError("timeouts must be a labkit.runtime.Timeouts record "
+                            f"(or None for the defaults), got {value!r}")
+        self._timeouts = value
 
     @property
     def pids(self) -> dict[int, int]:
@@ -123,7 +165,7 @@ class Cluster:
         ranks = check_ranks(ranks, self.world_size)
         timeout = self.timeout if timeout is _DEFAULT else check_timeout(timeout)
         payload = pack_call(fn, args, kwargs)
-        with self._lock:  # one call at a time: a call from a thread waits its turn
+        with self._call_turn():  # one call at a time: a call from a thread waits
             if self._closed:
                 raise ClusterClosed(
                     "this Cluster is closed (cluster.close() stopped its ranks); "
@@ -133,6 +175,9 @@ class Cluster:
                 self._ensure_running()
                 self._calls += 1
                 return CallInFlight(self.links(), ranks, timeout).collect(payload)
+            except Interrupted as e:  # close() or restart() from another thread
+                self._stop_ranks()
+                raise self._interrupted(e.by) from None
             except BaseException:
                 self._stop_ranks()  # unknown state: start clean on the next run
                 raise
@@ -140,23 +185,37 @@ class Cluster:
                 self._idle.arm()
 
     def restart(self) -> None:
-        """Stop the ranks and start them again."""
-        self._stop_ranks()
-        self._ensure_running()
-        self._idle.arm()
+        """Stop the ranks and start them again (a call running in another thread
+        is interrupted first: see the module docstring)."""
+        with self._op_turn("restart()"):
+            if self._closed:
+                raise ClusterClosed(
+                    "restart(): this Cluster is closed (cluster.close() stopped "
+                    "its ranks); start another: cluster = "
+                    f"labkit.Cluster({self.world_size})")
+            self._idle.disarm()
+            self._stop_ranks()
+            self._ensure_running()
+            self._idle.arm()
 
     def close(self) -> None:
-        """Stop the ranks and free the port and files. Safe to call twice."""
+        """Stop the ranks and free the port and files. Safe to call twice, and
+        from another thread while a call runs (which it interrupts)."""
         if self._closed:
             return
-        self._closed = True
-        self._idle.disarm()
-        self._stop_ranks()
-        self._sel.close()
-        self._listener.close()
-        self._store = None  # the store owns and closes its listening socket
-        shutil.rmtree(self._dir, ignore_errors=True)
-        _CLUSTERS.discard(self)
+        with self._op_turn("close()"):
+            if self._closed:
+                return
+            self._closed = True
+            self._idle.disarm()
+            self._stop_ranks()
+            self._sel.close()
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            self._listener.close()
+            self._store = None  # the store owns and closes its listening socket
+            self._scratch.remove()
+            _CLUSTERS.discard(self)
 
     def __enter__(self):
         return self
@@ -175,16 +234,90 @@ class Cluster:
         return (f"Cluster(world_size={self.world_size}, backend={self.backend!r}, "
                 f"{state})")
 
+    # -- whose turn --------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _call_turn(self):
+        """The lock, for one call: after every close()/restart() already waiting
+        (they interrupt the call that holds it, and go first)."""
+        me = threading.get_ident()
+        if self._caller == me:  # a call made while this thread runs one
+            with self._lock:
+                yield
+            return
+        while True:
+            with self._turn:
+                self._turn.wait_for(lambda: not self._waiting)
+            self._lock.acquire()
+            with self._turn:
+                if not self._waiting:
+                    self._caller, self._stop_for = me, None
+                    if not self._closed:  # a wake-up meant for an earlier call
+                        drain(self._wake_r)
+                    break
+            self._lock.release()
+        try:
+            yield
+        finally:
+            with self._turn:
+                self._caller = None
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def _op_turn(self, by: str):
+        """The lock, for close() or restart() (`by`): a call that another thread
+        runs is asked to stop (it raises, naming `by`) and lets go of it."""
+        me = threading.get_ident()
+        with self._turn:
+            self._waiting += 1
+            if self._caller not in (None, me) and not self._closed:
+                self._stop_for = by
+                try:
+                    os.write(self._wake_w, b"!")
+                except BlockingIOError:
+                    pass  # the pipe is full: the call is being woken already
+        try:
+            self._lock.acquire()
+        finally:
+            with self._turn:
+                self._waiting -= 1
+                if self._caller != me:
+                    self._stop_for = None
+                self._turn.notify_all()
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _stop_requested(self) -> str | None:
+        """Who (close() or restart(), from another thread) asked the call that
+        runs now to stop; None if nobody."""
+        return self._stop_for
+
+    def _interrupted(self, by: str) -> Exception:
+        """What a call that close() or restart() interrupted raises."""
+        if by == "close()":
+            return ClusterClosed(
+                "this call was interrupted: cluster.close() was called from "
+                "another thread while it ran, which stopped its ranks and closed "
+                "this Cluster; start another: cluster = "
+                f"labkit.Cluster({self.world_size})")
+        return CallInterrupted(
+            f"this call was interrupted: cluster.{by} was called from another "
+            "thread while it ran; the ranks were stopped and started again, "
+            "without this call's results: run it again")
+
     # -- starting and stopping ---------------------------------------------
 
     def _ensure_running(self) -> None:
         if self._idle.fired and not self._pids:
-            print(f"labkit: the ranks were stopped after {self.idle_timeout:g} s idle "
-                  "(idle_timeout); starting them again", file=sys.stderr)
+            print(f"labkit: the ranks were stopped after {self._idle.seconds:g} s "
+                  "idle (idle_timeout); starting them again", file=sys.stderr)
             self._idle.fired = False
         if self._pids:
             # an idle rank that died (killed, OOM) shows as a readable socket: EOF
-            events = self._sel.select(0)
+            events = [(key, ev) for key, ev in self._sel.select(0)
+                      if key.data != WAKE]
             if not events:
                 return
             dead = ", ".join(f"rank {key.data} {self._how_ended(key.data)}"
@@ -196,18 +329,21 @@ class Cluster:
     def links(self) -> RankLinks:
         """The running ranks' connections and output, for one call."""
         return RankLinks(self._main, self._status, self._sel, self._output,
-                         self._how_ended, self.world_size)
+                         self._how_ended, self.world_size, self.timeouts,
+                         self._wake_r, self._stop_requested)
 
-    def _how_ended(self, rank: int, wait: float = 2.0) -> str:
+    def _how_ended(self, rank: int) -> str:
         """'killed by SIGKILL', as the forkserver that reaped the rank saw it."""
-        return forkserver.shared().exit_status(self._pids[rank], wait=wait) or "exited"
+        return forkserver.shared().exit_status(
+            self._pids[rank], wait=self.timeouts.exit_report) or "exited"
 
     def _start(self) -> None:
         self._gen += 1
-        deadline = time.monotonic() + START_TIMEOUT
+        deadline = time.monotonic() + self.timeouts.start
         self._output.restarted()
         pids = forkserver.shared().spawn(
-            [self._spec(r) for r in range(self.world_size)], deadline)
+            [self._spec(r) for r in range(self.world_size)], deadline,
+            poll=self.timeouts.poll)
         self._pids = dict(enumerate(pids))
         for r, pid in self._pids.items():
             try:
@@ -221,12 +357,13 @@ class Cluster:
             raise
 
     def _spec(self, rank: int) -> RankSpec:
-        n = self.world_size
+        n, times = self.world_size, self.timeouts
         return RankSpec(
             rank=rank, world_size=n, gen=self._gen,
             address=self._listener.getsockname(), port=self.port,
-            backend=self.backend, threads=self.threads, init_timeout=START_TIMEOUT,
-            pg_timeout=1800 if self.timeout is None else max(60, 4 * self.timeout),
+            backend=self.backend, threads=self.threads, init_timeout=times.start,
+            pg_timeout=times.collective if self.timeout is None else max(
+                times.collective_min, 4 * self.timeout),
             out=self._output.path(rank, "out"), err=self._output.path(rank, "err"),
             cwd=os.getcwd(), sys_path=tuple(sys.path),
             env={"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n),
@@ -241,6 +378,8 @@ class Cluster:
         """Accept each rank's two connections, then wait for its process group."""
         sel = selectors.DefaultSelector()
         sel.register(self._listener, selectors.EVENT_READ, None)
+        if self._caller == threading.get_ident():  # a call's start: interruptible
+            sel.register(self._wake_r, selectors.EVENT_READ, WAKE)
         ready: set[int] = set()
         try:
             while len(ready) < self.world_size:
@@ -248,11 +387,16 @@ class Cluster:
                 if left <= 0:
                     missing = sorted(set(range(self.world_size)) - ready)
                     raise TimeoutError(f"ranks {missing} did not start within "
-                                       f"{START_TIMEOUT:.0f} s")
-                events = sel.select(min(left, 0.2))
+                                       f"{self.timeouts.start:g} s (Timeouts.start)")
+                events = sel.select(min(left, self.timeouts.poll))
                 if not events:
                     self._check_start_deaths()
                 for key, _ in events:
+                    if key.data == WAKE:  # close() or restart() from another thread
+                        drain(self._wake_r)
+                        if self._stop_for is not None:
+                            raise Interrupted(self._stop_for)
+                        continue
                     if key.data is None:  # the listener: a new connection
                         conn, _ = self._listener.accept()
                         sel.register(conn, selectors.EVENT_READ, "new")
@@ -262,7 +406,7 @@ class Cluster:
                     if key.data == "new":
                         self._hello(key.fileobj, msg, sel)
                     elif msg is None:
-                        self._check_start_deaths(wait=0.5)
+                        self._check_start_deaths(wait=self.timeouts.exit_report)
                         raise RuntimeError(f"rank {key.data} exited while starting")
                     elif isinstance(msg, JoinFailed):
                         raise RuntimeError(f"rank {key.data} could not join the "
@@ -285,16 +429,33 @@ class Cluster:
             self._status[msg.rank] = conn
 
     def _check_start_deaths(self, wait: float = 0.0) -> None:
-        for rank, pid in self._pids.items():
-            how = forkserver.shared().exit_status(pid, wait=wait)
-            if how:
-                err = self._output.read(rank, "err", 4000)
-                raise RuntimeError(f"rank {rank} {how} while starting\n{err}".rstrip())
+        """Raise if a rank has exited while starting, as its forkserver reports
+        (waiting up to `wait` seconds in all for the report)."""
+        end = time.monotonic() + wait
+        while True:
+            for rank, pid in self._pids.items():
+                how = forkserver.shared().exit_status(pid)
+                if how:
+                    err = self._output.read(rank, "err", 4000)
+                    raise RuntimeError(
+                        f"rank {rank} {how} while starting\n{err}".rstrip())
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, self.timeouts.poll))
 
     def _stop_ranks(self) -> None:
-        """SIGKILL every rank by pid and wait (≤ 2 s) until they are gone."""
-        for rank, pid in self._pids.items():
-            fd = self._pidfds.get(rank)
+        """SIGKILL every rank by pid and wait (Timeouts.stop at most) until they
+        are gone. Called with the lock held; it first takes the ranks' pidfds and
+        connections out of the cluster, so each is used and closed once, by this
+        call only (a second call finds nothing left to close)."""
+        with self._lock:
+            pids, self._pids = self._pids, {}
+            pidfds, self._pidfds = self._pidfds, {}
+            socks = [*self._main.values(), *self._status.values()]
+            self._main, self._status = {}, {}
+        for rank, pid in pids.items():
+            fd = pidfds.get(rank)
             try:
                 if fd is not None:
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
@@ -302,19 +463,18 @@ class Cluster:
                     os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        end = time.monotonic() + 2.0
-        for rank in self._pids:
-            fd = self._pidfds.pop(rank, None)
-            if fd is not None:
+        end = time.monotonic() + self.timeouts.stop
+        for fd in pidfds.values():
+            try:
                 select_one(fd, max(0.0, end - time.monotonic()))
+            finally:
                 os.close(fd)
-        for sock in [*self._main.values(), *self._status.values()]:
+        for sock in socks:
             try:
                 self._sel.unregister(sock)
-            except (KeyError, ValueError):
-                pass
+            except (KeyError, ValueError, RuntimeError):
+                pass  # not registered, or the selector is closed
             sock.close()
-        self._main, self._status, self._pids = {}, {}, {}
 
 
 # ------------------------------------------------------------------ defaults
@@ -323,13 +483,18 @@ class Cluster:
 _DEFAULT_CLUSTERS: dict[int, Cluster] = {}
 
 
+_DEFAULT_LOCK = threading.Lock()
+
+
 def default_cluster(world_size: int = 4) -> Cluster:
-    """The shared cluster for this world size (created on first use)."""
+    """The shared cluster for this world size (created on first use: by one
+    thread, the others wait for it)."""
     check_world_size(world_size)
-    c = _DEFAULT_CLUSTERS.get(world_size)
-    if c is None or c._closed:
-        c = _DEFAULT_CLUSTERS[world_size] = Cluster(world_size)
-    return c
+    with _DEFAULT_LOCK:
+        c = _DEFAULT_CLUSTERS.get(world_size)
+        if c is None or c._closed:
+            c = _DEFAULT_CLUSTERS[world_size] = Cluster(world_size)
+        return c
 
 
 def run(fn, *args, world_size: int = 4, ranks=None, timeout=_DEFAULT, **kwargs):

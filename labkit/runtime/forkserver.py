@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 
 from labkit.runtime import wire
 from labkit.runtime.messages import (
@@ -45,12 +46,14 @@ from labkit.runtime.messages import (
     Spawned,
     Successor,
 )
+from labkit.runtime.timeouts import DEFAULT
 
 # what ranks would otherwise import on first use: what a rank's first
 # optimizer.step() imports (torch._dynamo, ~1.5 s) and the memory tracker; layers
 # above add their own (preload_when_idle)
 PRELOAD_WHEN_IDLE = ("torch.distributed._tools.mem_tracker", "torch._dynamo")
 _WANTED: list[str] = list(PRELOAD_WHEN_IDLE)  # ... and what layers above added
+KEEP_EXITS = 512  # rank exits remembered (Forkserver.exits), the latest
 
 
 def preload_when_idle(*names: str) -> None:
@@ -79,8 +82,9 @@ class Forkserver:
         env[ROLE_ENV] = "forkserver"
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (os.path.abspath(src_root), env.get("PYTHONPATH")) if p)
-        self.log = tempfile.NamedTemporaryFile(prefix="labkit-forkserver-",
-                                               suffix=".log")
+        # nameless (deleted at once): gone with the last process that holds it,
+        # even when the kernel is killed
+        self.log = tempfile.TemporaryFile(prefix="labkit-forkserver-")
         code = "import sys; from labkit.runtime.forkserver_process import serve; " \
                "serve(*map(int, sys.argv[1:]))"
         self.proc = subprocess.Popen(
@@ -101,7 +105,8 @@ class Forkserver:
         self._pid_of = {mine: self.proc.pid}
         self._ready: set[socket.socket] = set()
         self._successor: socket.socket | None = None
-        self.exits: dict[int, str] = {}
+        # how ranks ended, the last KEEP_EXITS (one is asked for soon after)
+        self.exits: OrderedDict[int, str] = OrderedDict()
         self.preloaded: tuple[str, ...] = ()
         self.lock = threading.RLock()
         # read once torch is imported there; successors get it again (_take)
@@ -125,6 +130,22 @@ class Forkserver:
         self.poll()  # a successor's exit is the end of its connection
         return self.sock in self._socks
 
+    def close(self) -> None:
+        """Let go of the forkserver: close the lifeline (what is left of it and
+        the ranks it forked exit), the connections and the log. Safe to call
+        twice; shared() calls it on one that died before starting another."""
+        with self.lock:
+            if self._lifeline_w is not None:
+                os.close(self._lifeline_w)
+                self._lifeline_w = None
+            for sock in {*self._socks, *self._pid_of, self._first}:
+                sock.close()
+            self._socks.clear()
+            self._successor = None
+            self._ready.clear()
+            self.log.close()
+            self.proc.poll()  # reap it, if it has exited
+
     def _take(self, sock: socket.socket):
         """Read one message from `sock` and act on it; None on EOF."""
         msg = wire.recv(sock)
@@ -135,9 +156,18 @@ class Forkserver:
                 self._successor = None
             if sock is self._first:
                 self.proc.poll()  # reap it
+            self._ready.discard(sock)
+            if sock is not self.sock:  # retired: nothing more to say about it
+                self._pid_of.pop(sock, None)
+            sock.close()
             return None
         if isinstance(msg, RankExited):
             self.exits[msg.pid] = msg.how
+            while len(self.exits) > KEEP_EXITS:
+                self.exits.popitem(last=False)
+        elif isinstance(msg, Spawned):
+            for pid in msg.pids:  # a reused pid: not the rank that had it before
+                self.exits.pop(pid, None)
         elif isinstance(msg, ForkserverReady):
             self._ready.add(sock)
             if sock is self._successor:  # it has imported more: it forks from now
@@ -185,8 +215,9 @@ class Forkserver:
         return f"labkit's rank forkserver (pid {self.pid}) exited{how}; its log:\n" \
                f"{tail}"
 
-    def spawn(self, specs, deadline: float) -> tuple[int, ...]:
-        """Fork one rank per spec; their pids."""
+    def spawn(self, specs, deadline: float, poll: float = DEFAULT.poll
+              ) -> tuple[int, ...]:
+        """Fork one rank per spec; their pids (looking every `poll` seconds)."""
         with self.lock:
             self._drain(0)  # a successor that has said ready takes over now
             while self.sock not in self._ready:
@@ -194,14 +225,14 @@ class Forkserver:
                     raise RuntimeError(self._died())
                 if time.monotonic() > deadline:
                     raise TimeoutError("the rank forkserver did not start in time")
-                self._drain(0.5)
+                self._drain(poll)
             sock = self.sock
             wire.send(sock, Spawn(tuple(specs)))
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError("the rank forkserver did not answer in time")
-                if select_one(sock, min(left, 0.5))[0]:
+                if select_one(sock, min(left, poll))[0]:
                     msg = self._take(sock)
                     if isinstance(msg, Spawned):
                         return msg.pids
@@ -216,7 +247,7 @@ class Forkserver:
             finally:
                 self.lock.release()
 
-    def wait_preloaded(self, timeout: float = 30.0) -> bool:
+    def wait_preloaded(self, timeout: float = DEFAULT.preload) -> bool:
         """Wait until the forkserver that forks has imported what was asked for
         (PRELOAD_WHEN_IDLE and what layers above added)."""
         end = time.monotonic() + timeout
@@ -224,7 +255,7 @@ class Forkserver:
             if time.monotonic() > end:
                 return False
             with self.lock:
-                self._drain(0.05)
+                self._drain(DEFAULT.poll)
         return True
 
     def exit_status(self, pid: int, wait: float = 0.0) -> str | None:
@@ -250,6 +281,8 @@ def shared() -> Forkserver:
     global _SHARED
     with _SHARED_LOCK:
         if _SHARED is None or not _SHARED.alive():
+            if _SHARED is not None:
+                _SHARED.close()  # dead: let go of what the kernel held for it
             _SHARED = Forkserver()
         return _SHARED
 

@@ -9,16 +9,31 @@ import threading
 import weakref
 
 from labkit.runtime.backend import check_timeout
+from labkit.runtime.timeouts import MAX_SECONDS
 
 IDLE_ENV = "LABKIT_IDLE_TIMEOUT"  # seconds; a lecturer sets it server-wide
 
 
 def idle_seconds(given, default) -> float | None:
     """The timeout a cluster uses: `given`, or else $LABKIT_IDLE_TIMEOUT, else None
-    (never), when `given` is `default` (the argument was left out)."""
-    if given is default:
-        given = float(os.environ.get(IDLE_ENV) or 0) or None
-    return check_timeout(given)
+    (never), when `given` is `default` (the argument was left out). A bad value
+    is an error that names where it came from."""
+    if given is not default:
+        return check_timeout(given, "idle_timeout", none="never")
+    text = os.environ.get(IDLE_ENV, "").strip()
+    where = f"${IDLE_ENV}"
+    try:
+        seconds = float(text or 0)
+    except ValueError:
+        seconds = None
+    if seconds == 0:
+        return None  # unset, empty or 0: never
+    try:
+        return check_timeout(seconds, where, none="")
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{where} must be a number > 0 seconds, at most {MAX_SECONDS:.0f} "
+            f"(a year), or 0 or unset for never; got {text!r}") from None
 
 
 class IdleTimer:
@@ -30,12 +45,14 @@ class IdleTimer:
     def __init__(self, cluster):
         self._cluster = weakref.ref(cluster)
         self._armed, self._timer, self.fired = 0, None, False
+        self.seconds: float | None = None  # what the last timer armed waited
 
     def arm(self) -> None:
         self.disarm()
         c = self._cluster()
         seconds = None if c is None else c.idle_timeout
         if seconds and c._pids and not c._closed:
+            self.seconds = seconds
             self._timer = threading.Timer(seconds, self._fire, (self._armed,))
             self._timer.daemon = True
             self._timer.start()

@@ -1,7 +1,8 @@
 """The live view of a call in the calling cell: each rank's latest lines as they are
 printed, one progress bar per `labkit.progress` loop, and, once a call has run for
-2 s, a status line per busy rank. When the call returns the view becomes the final
-transcript (rank order, as without a live view) and the bars in their last state.
+2 s (Timeouts.status_after), a status line per busy rank. When the call returns
+the view becomes the final transcript (rank order, as without a live view) and
+the bars in their last state.
 
 A live view exists only where a person watches: a kernel whose current request
 came from an interactive frontend (JupyterLab and Notebook send the cell's id with
@@ -18,11 +19,9 @@ import uuid
 from collections import deque
 
 from labkit.runtime.messages import Progress
+from labkit.runtime.timeouts import DEFAULT
 
 TAIL = 12  # lines kept on screen per rank while a call runs
-REFRESH = 0.2  # seconds between redraws, at most
-STATUS_AFTER = 2.0  # seconds before status lines appear
-STATUS_EVERY = 1.0
 
 
 def live_frontend() -> bool:
@@ -133,8 +132,10 @@ def display_publisher():
 class LiveView:
     """What one call shows while it runs. `publish(bundle, final)` draws it."""
 
-    def __init__(self, ranks: list[int], width: int, publish):
+    def __init__(self, ranks: list[int], width: int, publish,
+                 redraw: float = DEFAULT.redraw):
         self.ranks = ranks
+        self.redraw = redraw  # seconds between redraws, at least
         self.width = width
         self.publish = publish
         self.lines: dict[int, deque] = {r: deque(maxlen=TAIL) for r in ranks}
@@ -174,9 +175,9 @@ class LiveView:
         self._dirty = True
 
     def refresh(self, now: float | None = None) -> None:
-        """Redraw if something changed and the last redraw is REFRESH old."""
+        """Redraw if something changed and the last redraw is `redraw` old."""
         now = time.monotonic() if now is None else now
-        if self._dirty and now - self._drawn >= REFRESH:
+        if self._dirty and now - self._drawn >= self.redraw:
             self._send(self._bundle(), False)
             self._drawn, self._dirty = now, False
 

@@ -30,6 +30,7 @@ from labkit.runtime.messages import (
     Returned,
     Status,
 )
+from labkit.runtime.output import RankFiles
 from labkit.units import human_bytes
 
 # What this rank is doing, for status requests. Ledgers set "activity".
@@ -54,10 +55,7 @@ def rank_main(spec: RankSpec, kernel_gone: tuple[int, ...]) -> int:
     os.setsid()  # own session: the kernel's SIGINT (sent to its group) never arrives
     os.environ[ROLE_ENV] = "rank"
     os.environ.update(spec.env)
-    for fd, path in ((1, spec.out), (2, spec.err)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-        os.dup2(f, fd)
-        os.close(f)
+    files = RankFiles(spec.out, spec.err)  # file descriptors 1 and 2, bounded
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
     os.chdir(spec.cwd)
@@ -79,7 +77,7 @@ def rank_main(spec: RankSpec, kernel_gone: tuple[int, ...]) -> int:
     wire.send(main, Joined(time.perf_counter() - t0))
     STATE["phase"] = None
     CONNECTION["main"] = main
-    _serve_calls(main, spec.rank, spec.world_size)
+    _serve_calls(main, spec.rank, spec.world_size, files)
     return 0
 
 
@@ -121,13 +119,15 @@ def _init_process_group(spec: RankSpec) -> None:
                             timeout=timedelta(seconds=spec.pg_timeout))
 
 
-def _serve_calls(main: socket.socket, rank: int, world_size: int) -> None:
+def _serve_calls(main: socket.socket, rank: int, world_size: int,
+                 files: RankFiles) -> None:
     import cloudpickle
 
     while True:
         frame = wire.recv_bytes(main)
         if frame is None:
             return
+        files.call_started()
         t0 = time.perf_counter()
         call_id = None
         try:
@@ -144,6 +144,7 @@ def _serve_calls(main: socket.socket, rank: int, world_size: int) -> None:
         seconds = time.perf_counter() - t0
         sys.stdout.flush()
         sys.stderr.flush()
+        files.call_ended()
         try:
             data = cloudpickle.dumps(replace(reply, seconds=seconds), protocol=5)
         except Exception as e:  # noqa: BLE001

@@ -38,6 +38,19 @@ class ClusterClosed(RuntimeError):
         return [f"{type(self).__name__}: {self}"]
 
 
+class CallInterrupted(RuntimeError):
+    """A call that `restart()` from another thread stopped (the ranks it ran on
+    were stopped and started again, without its results)."""
+
+    def _render_traceback_(self):  # a one-line message in a notebook, no frames
+        return [f"{type(self).__name__}: {self}"]
+
+
+class SendTimeout(RankError, TimeoutError):
+    """A rank did not take the call in Timeouts.send seconds: alive, but not
+    reading (stopped, or stuck outside a call). ``busy`` names it."""
+
+
 class CollectiveTimeout(RankError, TimeoutError):
     """Some ranks were still busy after `timeout` seconds (usually a collective that
     not every rank called). ``busy`` says where each was waiting."""
