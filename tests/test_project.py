@@ -147,8 +147,13 @@ def test_make_student_and_browser_test_are_wired():
     for target in ("student", "browser-test"):
         assert re.search(rf"^{target}: install$", make, re.M), target
     # `make test` runs the browser test exactly where Chromium is, and only once
-    (deps,) = re.findall(r"^test: (.*)$", make, re.M)
-    assert "$(if $(wildcard $(CHROMIUM)),browser-test)" in deps
+    # (its steps, each timed, in TEST_STEPS)
+    (steps,) = re.findall(r"^TEST_STEPS := (.*)$", make, re.M)
+    assert steps.split()[:4] == ["install", "lint", "test-lib", "test-notebooks"], steps
+    assert steps.endswith(" $(if $(wildcard $(CHROMIUM)),browser-test)"), steps
+    assert steps.count("browser-test") == 1, steps
+    assert re.search(r"^test:\n\t@\$\(PYTHON\) -m labkit\.cli\.steps "
+                     r"\$\(TEST_STEPS\)$", make, re.M)
     assert "pytest tests -q --ignore=tests/browser" in make
     assert "dist/" in (ROOT / ".gitignore").read_text().split()
 
