@@ -46,7 +46,7 @@ newest:
 # with one process (numerics: torch, pinned, computes them the same either way)
 test-newest: newest
 	LABKIT_ENV=newest $(NEWEST)/bin/python -m pytest tests -q -p no:cacheprovider \
-		--ignore=tests/browser -m "not slow and not numerics"
+		--ignore=tests/browser -m "not slow and not numerics" -n $(TEST_JOBS) --dist loadfile
 
 # Refresh the lock from the newest releases; then run `make test` (it reinstalls
 # .venv from the new lock) and commit requirements.lock if it passes.
@@ -114,9 +114,12 @@ lint: install
 	$(BIN)/ruff check labkit tests examples
 	$(BIN)/lint-imports --no-cache  # the layers contract in pyproject.toml
 
-# the browser test runs as its own step (below), after the chapters pass under nbval
+# the browser test runs as its own step (below), after the chapters pass under nbval.
+# Two workers (pytest-xdist), a test file each at a time: on 2 cores most tests wait
+# on ranks, sockets or timeouts, and a file's tests share its module's cluster.
+TEST_JOBS ?= 2
 test-lib: install
-	$(BIN)/python -m pytest tests -q --ignore=tests/browser
+	$(BIN)/python -m pytest tests -q --ignore=tests/browser -n $(TEST_JOBS) --dist loadfile
 
 # Other CPUs' kernels (labkit/cli/cpus.py): the numerics tests and chapters 05-08
 # again under each corner this CPU supports, with the largest measured/allowed

@@ -4,9 +4,12 @@ kernel that was killed."""
 
 import fcntl
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -223,7 +226,27 @@ def _ours_by_hand(folder, *names):
     return str(folder)
 
 
-def test_a_killed_kernels_temp_folders_go_at_the_next_start(tmp_path):
+def test_a_deep_temp_directory_is_named_with_what_to_do(tmp_path, monkeypatch):
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with pytest.raises(OSError, match=r"too long for a Unix socket .*Set TMPDIR to "
+                                      r"a shorter folder"):
+        labkit.Cluster(1)
+    assert os.listdir(deep) == [], "the cluster that could not start left files"
+
+
+def test_a_killed_kernels_temp_folders_go_at_the_next_start():
+    # its own short temp folder: a Unix socket's path has room for 108 bytes,
+    # and pytest's tmp_path can be deep (under pytest-xdist, say)
+    tmp_path = Path(tempfile.mkdtemp(prefix="lk-", dir="/tmp"))
+    try:
+        _killed_kernels_folders_go(tmp_path)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)  # this test's own folder
+
+
+def _killed_kernels_folders_go(tmp_path: Path) -> None:
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     killed = subprocess.Popen([sys.executable, "-c", _KERNEL, "killed"], env=env,
                               stdout=subprocess.PIPE, text=True)

@@ -113,7 +113,7 @@ class Cluster:
         self._store = None
         _CLUSTERS.add(self)
         try:
-            self._listener.bind(os.path.join(self._dir, "ranks.sock"))
+            _bind(self._listener, os.path.join(self._dir, "ranks.sock"))
             self._listener.listen(2 * self.world_size)
             self._store, self.port = make_store(self.timeouts.store)
             self._start()
@@ -475,6 +475,22 @@ class Cluster:
             except (KeyError, ValueError, RuntimeError):
                 pass  # not registered, or the selector is closed
             sock.close()
+
+
+def _bind(listener: socket.socket, path: str) -> None:
+    """Bind the ranks' Unix socket; a temp directory whose path leaves no room
+    for the socket's name (108 bytes on Linux, 104 on macOS) is said as such."""
+    try:
+        listener.bind(path)
+    except OSError as e:
+        if "too long" not in str(e):
+            raise
+        raise OSError(
+            f"the ranks' socket {path!r} is {len(os.fsencode(path))} bytes, too long "
+            "for a Unix socket (108 bytes on Linux, 104 on macOS): the temporary "
+            f"directory {os.path.dirname(os.path.dirname(path))!r} is too deep. Set "
+            "TMPDIR to a shorter folder (e.g. TMPDIR=/tmp) before starting Python"
+        ) from None
 
 
 # ------------------------------------------------------------------ defaults
