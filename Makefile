@@ -128,7 +128,7 @@ test-lib: install
 CPU_CORNERS ?= avx2,avx512,compatible
 CPU_CHAPTERS ?= $(wildcard notebooks/0[5-8]_*.ipynb)
 test-cpus: install
-	$(BIN)/python -m labkit.cli.cpus --corners $(CPU_CORNERS) \
+	$(BIN)/python -m labkit.cli.cpus --corners $(CPU_CORNERS) --jobs $(TEST_JOBS) \
 		--cell-timeout $(CELL_TIMEOUT) --chapters $(CPU_CHAPTERS)
 
 # the developer's fast inner loop: lint and the tests that start no process (tests/conftest.py

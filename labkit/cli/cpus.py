@@ -10,7 +10,7 @@ the CPU lacks is skipped and said so (torch would accept avx512 and crash on its
 first AVX-512 instruction).
 
     python -m labkit.cli.cpus [--corners avx2,avx512,compatible]
-        [--tests FILE...] [--chapters NOTEBOOK...] [--out DIR]
+        [--tests FILE...] [--chapters NOTEBOOK...] [--out DIR] [--jobs N]
 """
 
 from __future__ import annotations
@@ -59,14 +59,16 @@ def margins(path: Path) -> dict[str, tuple[float, int]]:
 
 
 def run_corner(corner: str, tests: list[str], chapters: list[str], out: Path,
-               cell_timeout: int) -> int:
+               cell_timeout: int, jobs: int = 1) -> int:
     log = out / f"{corner}.jsonl"
     log.unlink(missing_ok=True)
     env = {**os.environ, **CORNERS[corner], "LABKIT_MARGINS": str(log.resolve())}
     status = 0
     base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     if tests:
-        status |= subprocess.run(base + ["-m", "numerics", *tests], env=env).returncode
+        workers = ["-n", str(jobs), "--dist", "loadfile"] if jobs > 1 else []
+        status |= subprocess.run(base + ["-m", "numerics", *workers, *tests],
+                                 env=env).returncode
     if chapters:
         status |= subprocess.run(
             base + ["--nbval-lax", "--nbval-current-env",
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chapters", nargs="*", default=[])
     p.add_argument("--out", default="_build/margins")
     p.add_argument("--cell-timeout", type=int, default=120)
+    p.add_argument("--jobs", type=int, default=1,
+                   help="pytest-xdist workers for the tests (the chapters: one)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -112,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{NEEDS[corner]}", flush=True)
             continue
         print(f"cpus: {corner}: {settings}", flush=True)
-        code = run_corner(corner, args.tests, args.chapters, out, args.cell_timeout)
+        code = run_corner(corner, args.tests, args.chapters, out, args.cell_timeout,
+                          args.jobs)
         print(f"cpus: {corner}: {'passed' if code == 0 else 'FAILED'}", flush=True)
         status |= code
         ran.append(corner)
