@@ -64,4 +64,7 @@ def test_the_first_failing_step_stops_the_run_and_says_so(fake_make, tmp_path,
 def test_a_run_over_budget_says_by_how_much(fake_make, tmp_path, monkeypatch):
     monkeypatch.setitem(steps.BUDGET, "make test", 0.01)
     text = steps.table({"lint": 30.0, "test-lib": 700.0}, {}, None, "make test")
-    assert "12:10 of its 0:00 budget: 12:10 over" in text, text
+    assert "12:10 of its 0.0 s budget: 12:10 over" in text, text
+    assert "since the last run" not in text, text  # there was none
+    text = steps.table({"lint": 0.4}, {"lint": 0.3}, None, "make test")
+    assert "0.4 s" in text and "0.3 s" in text and "since the last run" in text, text

@@ -22,6 +22,9 @@ BUDGET = {"make test": 600.0}  # seconds, on a 2-core machine (DESIGN.md)
 
 
 def _clock(seconds: float) -> str:
+    """m:ss, or tenths of a second under 10 s (a lint step is under one)."""
+    if seconds < 9.95:
+        return f"{seconds:.1f} s"
     m, s = divmod(round(seconds), 60)
     return f"{m}:{s:02d}"
 
@@ -71,10 +74,11 @@ def table(times: dict[str, float], before: dict[str, float], failed: str | None,
                                       for i, (c, w) in enumerate(zip(r, width))))
     budget = BUDGET.get(title)
     if budget is not None and failed is None:
-        lines.append(f"  {title} took {_clock(total)} of its {_clock(budget)} budget"
-                     + ("" if total <= budget else
-                        f": {_clock(total - budget)} over; the steps that grew "
-                        "are above"))
+        over = ("" if total <= budget else f": {_clock(total - budget)} over"
+                + ("; each step's change since the last run is above"
+                   if was is not None else ""))
+        lines.append(f"  {title} took {_clock(total)} of its {_clock(budget)} "
+                     f"budget{over}")
     return "\n".join(lines)
 
 
