@@ -98,7 +98,12 @@ def test_interrupting_the_kernel_stops_the_ranks_and_keeps_the_cluster():
         hook = lambda m: outputs.append(m["content"])  # noqa: E731
         kc.execute_interactive(START, timeout=120, output_hook=hook)
         pids = _pids_from(outputs)[:2]
-        msg_id = kc.execute("import time\nc.run(lambda r, w: time.sleep(60))")
+        # stop_on_error=False: else ipykernel aborts a request that reaches it
+        # while it still handles this cell's KeyboardInterrupt (status
+        # "aborted", its code never run: seen once on 2 busy cores); what is
+        # tested here is that the cluster is usable after, not the kernel's queue
+        msg_id = kc.execute("import time\nc.run(lambda r, w: time.sleep(60))",
+                            stop_on_error=False)
         time.sleep(1.5)  # the ranks are sleeping now
         t0 = time.monotonic()
         km.interrupt_kernel()  # what the notebook's stop button does
