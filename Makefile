@@ -145,8 +145,7 @@ test-notebooks: install
 browser-test: install
 	@test -x "$(CHROMIUM)" || { echo "make browser-test needs Chromium at $(CHROMIUM)" \
 		"(Debian/Ubuntu: apt-get install chromium fonts-wqy-microhei)"; exit 1; }
-	LABKIT_CHROMIUM="$(CHROMIUM)" $(BIN)/python -m pytest tests/browser -q \
-		-n $(TEST_JOBS) --dist loadgroup
+	LABKIT_CHROMIUM="$(CHROMIUM)" $(BIN)/python -m pytest tests/browser -q
 
 doctor: install
 	$(BIN)/python -m labkit doctor

@@ -28,9 +28,6 @@ from labkit.cli import site as course_site
 from labkit.cli import vendor
 
 ROOT = Path(__file__).resolve().parents[2]
-# one worker runs this file's tests: its module fixtures execute chapter 02 and
-# write _build/vendor/ once (make browser-test spreads tests over two workers)
-pytestmark = pytest.mark.xdist_group("offline")
 CHAPTER = ROOT / "notebooks" / "02_ring_allreduce.ipynb"
 SECONDS = 60  # a page's scripts on 2 busy cores; loading from disk takes ~2 s
 

@@ -22,8 +22,7 @@ import pytest
 from labkit.cli.student import source
 from tests.browser.lab_page import new_page, no_dialog, wait
 
-# one worker runs this file's tests (they share its JupyterLab and RISE pages)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rise")]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTER = "notebooks/00_lab_tour.ipynb"
