@@ -14,7 +14,7 @@ CELL_TIMEOUT ?= 120
 # chromium fonts-wqy-microhei); never a browser downloaded by `playwright install`
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: FORCE install newest test-newest lock test-cpus check lab book slides student nbgrader test lint test-lib test-notebooks \
+.PHONY: FORCE executed install newest test-newest lock test-cpus check lab book slides student nbgrader test lint test-lib test-notebooks \
 	browser-test bench doctor images clean-notebooks clean vendor two-hosts
 
 install: $(STAMP)
@@ -57,33 +57,30 @@ lab: install
 	$(BIN)/jupyter lab $(ROOT_FLAG) --ServerApp.root_dir="$(CURDIR)" \
 		--ServerApp.default_url=/lab/tree/notebooks/00_lab_tour.ipynb
 
-# Chapters executed as under nbval (same per-cell limit); widgets keep their state,
-# the figure each one shows included, so the pages show them.
-NBCONVERT := $(BIN)/jupyter nbconvert --execute \
-	--ExecutePreprocessor.timeout=$(CELL_TIMEOUT) \
-	--ExecutePreprocessor.store_widget_state=True
-
+# The chapters as they ran: `make test-notebooks` keeps each chapter nbval executed,
+# outputs and widgets' state included, in _build/executed/ (labkit/cli/executed.py);
+# `executed` executes only those whose copy is missing or older than the chapter
+# or labkit, JOBS at once, with nbval's per-cell limit.
 CHAPTERS := $(wildcard notebooks/*.ipynb)
-JOBS ?= 2  # chapters executed at once (each page is its own kernel and ranks)
+JOBS ?= 2  # chapters executed at once (each is its own kernel and ranks)
+EXECUTED := _build/executed
+
+executed: install
+	$(BIN)/python -m labkit.cli.executed --jobs $(JOBS) --timeout $(CELL_TIMEOUT) \
+		$(EXECUTED) $(CHAPTERS)
 
 # one site (labkit/cli/site.py): index, contents, previous/next, search, widgets
-book: install vendor
-	$(MAKE) --no-print-directory -j$(JOBS) \
-		$(CHAPTERS:notebooks/%.ipynb=_build/executed/%.ipynb)
-	$(BIN)/python -m labkit.cli.site _build/executed _build/book _build/vendor
+book: executed vendor
+	$(BIN)/python -m labkit.cli.site $(EXECUTED) _build/book _build/vendor
 
-slides: install vendor
+slides: executed vendor
 	$(MAKE) --no-print-directory -j$(JOBS) \
 		$(CHAPTERS:notebooks/%.ipynb=_build/slides/%.slides.html)
 	mkdir -p _build/images && cp images/*.svg _build/images/
 
-# every page is executed afresh each time (labkit may have changed, not the chapter)
-_build/executed/%.ipynb: notebooks/%.ipynb FORCE
-	$(NBCONVERT) --to notebook --output-dir _build/executed $<
-
-_build/slides/%.slides.html: notebooks/%.ipynb FORCE
-	$(NBCONVERT) $(OFFLINE) --to slides --output-dir _build/slides \
-		--SlidesExporter.reveal_scroll=True $<
+_build/slides/%.slides.html: FORCE
+	$(BIN)/jupyter nbconvert $(OFFLINE) --to slides --output-dir _build/slides \
+		--SlidesExporter.reveal_scroll=True $(EXECUTED)/$*.ipynb
 
 FORCE:
 
@@ -139,7 +136,8 @@ check: lint
 
 test-notebooks: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
-		--nbval-cell-timeout=$(CELL_TIMEOUT) notebooks/
+		--nbval-cell-timeout=$(CELL_TIMEOUT) \
+		-p labkit.cli.executed --executed-to $(EXECUTED) notebooks/
 
 # widget chapters in JupyterLab in headless Chromium; screenshots in _build/browser/
 browser-test: install

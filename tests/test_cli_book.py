@@ -1,7 +1,8 @@
-"""make book / make slides: a widget chapter runs through `jupyter nbconvert
---execute` in about the time its cells take, and the page keeps the widgets' state,
-the figure a widget shows included; with labkit.cli.vendor's options the pages load
-no script or style sheet from the network (tests/browser opens them offline)."""
+"""make book / make slides: a notebook with chapter 02's widget (the ring stepper)
+executes as `make book` executes a stale chapter (labkit.cli.executed, nbclient) in
+about the time its cells take, and the page keeps the widgets' state, the figure a
+widget shows included; with labkit.cli.vendor's options the pages load no script
+or style sheet from the network (tests/browser opens them offline)."""
 
 import base64
 import json
@@ -16,10 +17,10 @@ import nbformat
 import pytest
 from traitlets.config.loader import KVArgParseConfigLoader
 
-from labkit.cli import vendor
+from labkit.cli import executed, vendor
+from tests.test_cli_executed import _toy
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTER = ROOT / "notebooks" / "02_ring_allreduce.ipynb"  # viz.ring_stepper
 TIMEOUT = 60  # per cell; a stalled cell waits all of it
 STATE = "application/vnd.jupyter.widget-state+json"
 PNG = base64.b64decode("iVBORw0KGgo=")  # the first bytes of every PNG file
@@ -55,16 +56,13 @@ def _figures(state: dict) -> list[bytes]:
 
 @pytest.mark.slow
 def test_widget_chapter_executes_without_waiting_out_the_timeout(tmp_path):
-    before = sorted(p.name for p in CHAPTER.parent.iterdir())
+    chapter = _toy(tmp_path / "chapters")
     start = time.monotonic()
-    out = _nbconvert("--to", "notebook", "--execute", "--output-dir", str(tmp_path),
-                     f"--ExecutePreprocessor.timeout={TIMEOUT}",
-                     "--ExecutePreprocessor.store_widget_state=True", str(CHAPTER),
-                     cwd=tmp_path)
+    copy = executed.execute(chapter, tmp_path / "executed", TIMEOUT)
     wall = time.monotonic() - start
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(p.name for p in CHAPTER.parent.iterdir()) == before  # no output
-    nb = json.loads((tmp_path / CHAPTER.name).read_text())
+    assert sorted(p.name for p in chapter.parent.iterdir()) == [chapter.name]
+    nb = json.loads(copy.read_text())
+    assert nb["metadata"][executed.KEY]["passed"], "a cell failed"
 
     # Everything beyond the cells' own work (start-up, waiting for replies) is
     # seconds; a cell that waits for a reply it already has costs TIMEOUT.
@@ -80,9 +78,9 @@ def test_widget_chapter_executes_without_waiting_out_the_timeout(tmp_path):
 
     # ... and the book's page carries it.
     page = _nbconvert("--to", "html", "--output-dir", str(tmp_path / "book"),
-                      str(tmp_path / CHAPTER.name), cwd=tmp_path)
+                      str(copy), cwd=tmp_path)
     assert page.returncode == 0, page.stderr[-3000:]
-    html = (tmp_path / "book" / CHAPTER.with_suffix(".html").name).read_text()
+    html = (tmp_path / "book" / copy.with_suffix(".html").name).read_text()
     m = re.search(rf'<script type="{re.escape(STATE)}">(.*?)</script>', html, re.S)
     assert m, "no widget state in the page"
     assert _figures(json.loads(m.group(1))) == figures

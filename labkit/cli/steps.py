@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from labkit.cli import atomic
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMES = ROOT / "build" / "step-times.json"
 BUDGET = {"make test": 600.0}  # seconds, on a 2-core machine (DESIGN.md)
@@ -43,13 +45,7 @@ def _save(path: Path, times: dict[str, float]) -> None:
     """Merge `times` into the file, via a temporary file and a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     merged = _load(path) | times
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n",
-                       encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic.write_text(path, json.dumps(merged, indent=1, sort_keys=True) + "\n")
 
 
 def table(times: dict[str, float], before: dict[str, float], failed: str | None,

@@ -27,10 +27,11 @@ import ast
 import copy
 import hashlib
 import json
-import os
 import re
 import shutil
 from pathlib import Path
+
+from labkit.cli import atomic
 
 ROOT = Path(__file__).resolve().parents[2]
 EXERCISE, SOLUTION, RAISES = "exercise", "solution", "raises-exception"
@@ -185,7 +186,7 @@ def build(notebooks: Path = ROOT / "notebooks", out: Path = ROOT / "dist" / "stu
         shutil.copytree(images, out / "images", dirs_exist_ok=True)
     written = []
     for name, text in texts.items():
-        _replace(out / name, text)
+        atomic.write_text(out / name, text)
         written.append(out / name)
     _write_record(out, {n: [h] for n, h in new.items()})
     return written
@@ -209,18 +210,8 @@ def _ours(path: Path, record: dict) -> bool:
     return path.is_file() and _digest(path.read_bytes()) in record.get(path.name, ())
 
 
-def _replace(path: Path, text: str) -> None:
-    """Write `path` via a temporary file beside it and a rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _write_record(out: Path, written: dict) -> None:
-    _replace(out / RECORD, json.dumps({"written": written}, indent=1,
+    atomic.write_text(out / RECORD, json.dumps({"written": written}, indent=1,
                                       sort_keys=True) + "\n")
 
 

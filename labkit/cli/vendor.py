@@ -13,6 +13,7 @@ defaults are written for (require.js, jQuery, the widget renderer for ipywidgets
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
@@ -95,13 +96,25 @@ def fetch(dest: Path, name: str) -> bool:
             raise SystemExit(f"npm pack {spec} failed:\n{out.stderr[-2000:]}")
         tarball = Path(tmp) / out.stdout.split()[-1]
         target = dest / name
+        # unpacked beside the target and renamed into place: a run cut short, or
+        # two at once (two test workers), never leave a half-unpacked package
+        fresh = dest / f".{name}.{os.getpid()}.tmp"
         with tarfile.open(tarball) as tar:
             members = [m for m in tar.getmembers() if _wanted(m.name, keep)]
             for m in members:
                 m.name = m.name.removeprefix("package/")
-            shutil.rmtree(target, ignore_errors=True)
-            tar.extractall(target, members=members, filter="data")
-    stamp.write_text(want)
+            tar.extractall(fresh, members=members, filter="data")
+        (fresh / ".fetched").write_text(want)
+        old = dest / f".{name}.{os.getpid()}.old"
+        try:
+            if target.exists():
+                target.rename(old)  # an earlier fetch's package (its stamp differs)
+            fresh.rename(target)
+        except OSError:  # another process put its copy there first
+            if not (stamp.exists() and stamp.read_text() == want):
+                raise
+            shutil.rmtree(fresh)
+        shutil.rmtree(old, ignore_errors=True)
     return True
 
 

@@ -71,12 +71,15 @@ class Lab:
         for k in self.api("kernels"):
             self.api(f"kernels/{k['id']}", method="DELETE")
 
+    def trust(self, folder: Path) -> None:
+        _trust(folder, self.root.parent / "data")
+
     def log_tail(self, n: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-n:]
 
 
 def _start(tmp: Path) -> Lab:
-    root = tmp / "course"
+    root = tmp / "course"  # executed/ may already be there
     for name in ("notebooks", "images"):
         shutil.copytree(ROOT / name, root / name)
     settings = tmp / "settings"
@@ -87,7 +90,9 @@ def _start(tmp: Path) -> Lab:
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
                JUPYTER_CONFIG_DIR=str(tmp / "config"),
+               JUPYTER_DATA_DIR=str(tmp / "data"),
                JUPYTER_RUNTIME_DIR=str(tmp / "runtime"))
+    _trust(root / "executed", tmp / "data")
     port, token = free_port(), secrets.token_hex(16)
     log = tmp / "jupyterlab.log"
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser",
@@ -115,6 +120,21 @@ def _start(tmp: Path) -> Lab:
             time.sleep(0.3)
 
 
+def _trust(folder: Path, data_dir: Path) -> None:
+    """Sign the executed chapters with this server's key (in its data folder), as
+    JupyterLab signs a notebook it ran and saved: an unsigned one is untrusted, and
+    JupyterLab shows only the text of its HTML and widget outputs."""
+    from nbformat import read, write
+    from nbformat.sign import NotebookNotary
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    notary = NotebookNotary(data_dir=str(data_dir))
+    for path in sorted(folder.glob("*.ipynb")):
+        nb = read(path, as_version=4)
+        notary.sign(nb)
+        write(nb, path)
+
+
 def _stop(lab: Lab) -> None:
     """Stop the server by its pid; its kernels (and their ranks) go with it."""
     family = descendants_of(lab.proc.pid)
@@ -131,9 +151,30 @@ def _stop(lab: Lab) -> None:
 
 
 @pytest.fixture(scope="session")
-def lab(tmp_path_factory):
+def executed() -> Path:
+    """_build/executed/: every chapter as it ran, outputs and widget state included.
+    `make test` wrote them while nbval ran the chapters; a copy that is missing, or
+    older than its chapter or labkit, is executed here (labkit.cli.executed)."""
+    from labkit.cli import executed as copies
+
+    chapters = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    folder = ROOT / "_build" / "executed"
+    stale = [str(c) for c in chapters if not copies.current(c, folder)]
+    if stale:
+        assert copies.main(["--jobs", "2", str(folder), *stale]) == 0, (
+            f"executing {len(stale)} chapters for the browser test failed")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory, executed):
+    """JupyterLab serving copies of notebooks/, images/ and the executed chapters
+    (in executed/, beside notebooks/, so their images resolve the same way)."""
     before = sorted(p.name for p in (ROOT / "notebooks").iterdir())
-    server = _start(tmp_path_factory.mktemp("lab"))
+    tmp = tmp_path_factory.mktemp("lab")
+    shutil.copytree(executed, tmp / "course" / "executed",
+                    ignore=shutil.ignore_patterns(".*"))
+    server = _start(tmp)
     try:
         yield server
     finally:

@@ -251,3 +251,55 @@ def widget_roots(page) -> list:
     roots = page.locator(".jp-Cell-outputArea .jp-OutputArea-output > .jupyter-widgets")
     return [roots.nth(k) for k in range(roots.count()) if not roots.nth(k).evaluate(
         "e => !!e.parentElement.closest('.jupyter-widgets')")]
+
+
+def open_saved(page, lab, path: str, nb: dict) -> list[str]:
+    """Open `path` as it was saved (nothing run) and return the cells that show an
+    error without a `raises-exception` tag."""
+    page.goto(lab.url(f"lab/tree/{path}?reset&token={lab.token}"))
+    page.wait_for_selector(".jp-Notebook .jp-Cell", state="attached", timeout=120_000)
+
+    def ready():  # the kernel up: the widget manager restores the stored state then
+        no_dialog(page)
+        return ("Idle" in page.inner_text("#jp-main-statusbar")
+                and page.evaluate(CELLS_JS, path))
+
+    cells = wait("the notebook to open and its kernel to be Idle", 120, ready)
+    scroll_through(page)
+    assert len(cells) == len(nb["cells"])
+    return [f"cell {i}: {'; '.join(c['errors'])}" for i, c in enumerate(cells)
+            if c["errors"] and "raises-exception" not in tags(nb["cells"][i])]
+
+
+VIEW_MIME = "application/vnd.jupyter.widget-view+json"
+
+
+def stored_widgets(page, nb: dict, seconds: float = WIDGET_SECONDS) -> int:
+    """Every widget a cell's saved output shows is drawn from the notebook's stored
+    state, its figures loaded; returns how many. A widget whose state was not
+    stored shows as an error or as its text instead."""
+    wanted = sum(VIEW_MIME in o.get("data", {}) for c in nb["cells"]
+                 if c["cell_type"] == "code" for o in c["outputs"])
+    state = nb["metadata"].get("widgets", {}).get(
+        "application/vnd.jupyter.widget-state+json", {}).get("state", {})
+    figures = sum("image/png" in o.get("data", {}) for m in state.values()
+                  if m["model_name"] == "OutputModel" for o in m["state"]["outputs"])
+    assert wanted, "the executed chapter's outputs show no widget"
+
+    def drawn():
+        scroll_through(page)
+        roots = widget_roots(page)
+        return roots if len(roots) == wanted else None
+
+    roots = wait(f"{wanted} widgets drawn from the stored state", seconds, drawn)
+    shown = 0
+    for k, root in enumerate(roots):
+        root.scroll_into_view_if_needed()
+        view = wait(f"widget {k}'s figures to load", seconds,
+                    lambda r=root: (v := r.evaluate(VIEW_JS))["loaded"] and v)
+        assert view["text"] or view["images"], f"widget {k} is drawn empty"
+        shown += len(view["images"])
+    assert "Error displaying widget" not in page.inner_text(".jp-Notebook")
+    assert shown >= min(figures, 1), (
+        f"the stored state holds {figures} figures; the widgets show {shown}")
+    return wanted

@@ -2,18 +2,20 @@
 hall without Wi-Fi: Chromium may load file:// and localhost only, anything else is
 aborted (and listed in the failure).
 
-One chapter (02: math, subslides and a widget with a figure) is executed once. Its
-slide deck, beside a copy of _build/vendor/ as the Makefile lays it out, opens from
-disk, navigates (next, down, overview) and MathJax typesets every formula (no raw
-`$...$` or `\\(...\\)` left in the text). The book's site is built from it and
-the other chapters (unexecuted: the walk needs pages, not outputs) and served on
-localhost: the walk goes from the index through every chapter by "next" to the
-last, chapter 02 shows its math and its widgets' figures, and search finds pages.
+The chapters come as they ran under nbval (_build/executed/, the conftest's
+`executed`: nothing is executed again). Chapter 02's slide deck (math, subslides,
+a widget with a figure), beside a copy of _build/vendor/ as the Makefile lays it
+out, opens from disk, navigates (next, down, overview) and MathJax typesets every
+formula (no raw `$...$` or `\\(...\\)` left in the text). The book's site is
+built from every executed chapter and served on localhost: the walk goes from the
+index through every chapter by "next" to the last, chapter 02 shows its math,
+every chapter that stored widgets shows their figures, and search finds pages.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import re
 import shutil
 import subprocess
@@ -49,36 +51,32 @@ def _run(*args: str, cwd: Path):
 
 
 @pytest.fixture(scope="module")
-def executed(tmp_path_factory) -> Path:
-    """tmp/02_ring_allreduce.ipynb executed, tmp/vendor/, tmp/images/."""
+def site_dir(tmp_path_factory, executed) -> Path:
+    """tmp/chapters/ (the executed chapters), tmp/vendor/, tmp/images/."""
     tmp = tmp_path_factory.mktemp("offline")
     _run("-m", "labkit.cli.vendor", str(ROOT / "_build" / "vendor"), cwd=ROOT)
     shutil.copytree(ROOT / "_build" / "vendor", tmp / "vendor")
     shutil.copytree(ROOT / "images", tmp / "images")
-    _run("-m", "nbconvert", "--to", "notebook", "--execute", "--output-dir",
-         str(tmp), "--ExecutePreprocessor.timeout=120",
-         "--ExecutePreprocessor.store_widget_state=True", str(CHAPTER), cwd=tmp)
+    (tmp / "chapters").mkdir()
+    for nb in (ROOT / "notebooks").glob("*.ipynb"):
+        shutil.copy(executed / nb.name, tmp / "chapters" / nb.name)
     return tmp
 
 
 @pytest.fixture(scope="module")
-def deck(executed) -> Path:
-    flags = vendor.flags("../vendor", executed / "vendor")
-    _run("-m", "nbconvert", "--to", "slides", "--output-dir", "slides", *flags,
-         "--SlidesExporter.reveal_scroll=True", CHAPTER.name, cwd=executed)
-    return executed / "slides" / f"{CHAPTER.stem}.slides.html"
+def deck(site_dir) -> Path:
+    flags = vendor.flags("../vendor", site_dir / "vendor")
+    _run("-m", "nbconvert", "--to", "slides", "--output-dir", "../slides", *flags,
+         "--SlidesExporter.reveal_scroll=True", CHAPTER.name,
+         cwd=site_dir / "chapters")
+    return site_dir / "slides" / f"{CHAPTER.stem}.slides.html"
 
 
 @pytest.fixture(scope="module")
-def book(executed):
+def book(site_dir):
     """The site, served on 127.0.0.1: yields its base URL."""
-    chapters = executed / "chapters"
-    chapters.mkdir()
-    for nb in (ROOT / "notebooks").glob("*.ipynb"):
-        shutil.copy(nb, chapters / nb.name)
-    shutil.copy(executed / CHAPTER.name, chapters / CHAPTER.name)
-    course_site.build(chapters, executed / "book", executed / "vendor")
-    handler = functools.partial(_Quiet, directory=str(executed / "book"))
+    course_site.build(site_dir / "chapters", site_dir / "book", site_dir / "vendor")
+    handler = functools.partial(_Quiet, directory=str(site_dir / "book"))
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -153,22 +151,28 @@ def test_slides_navigate_and_typeset_offline(deck, offline, shots):
 
 
 @pytest.mark.slow
-def test_book_walks_from_the_index_to_the_last_chapter_offline(book, offline, shots):
+def test_book_walks_from_the_index_to_the_last_chapter_offline(book, site_dir, offline,
+                                                               shots):
+    widgets = _stored_widgets(site_dir / "chapters")
+    assert CHAPTER.stem in widgets, widgets
     page = offline
     page.goto(book + "index.html")
     listed = page.locator("article .toctree-wrapper a.reference").all_inner_texts()
     want = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
     assert [t.split(" ")[0] for t in listed] == [w[:2] for w in want], listed
     assert "how large models are trained" in page.inner_text("article")
-    walked = []
+    walked, figures = [], []
     while page.locator("a.right-next").count():
         page.locator("a.right-next").first.click()
         page.wait_for_load_state("load")
         walked.append(page.url.rsplit("/", 1)[-1].removesuffix(".html"))
         if walked[-1] == CHAPTER.stem:
             _check_math(page, shots, "book")
+        if walked[-1] in widgets:
             _check_widget_figures(page)
+            figures.append(walked[-1])
     assert walked == want, f"index, then next: {walked}"
+    assert figures == sorted(widgets), f"pages whose widgets' figures show: {figures}"
     assert page.locator("a.left-prev").count(), "the last chapter links back"
     _check_loaded_alone(page)
 
@@ -182,6 +186,19 @@ def test_book_search_finds_chapters_offline(book, offline):
     titles = found.all_inner_texts()
     assert any(CHAPTER.stem[:2] in t for t in titles), titles
     _check_loaded_alone(page)
+
+
+def _stored_widgets(chapters: Path) -> set[str]:
+    """The executed chapters that store an Output widget showing a figure."""
+    out = set()
+    for path in chapters.glob("*.ipynb"):
+        state = json.loads(path.read_text(encoding="utf-8"))["metadata"].get(
+            "widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
+        if any("image/png" in o.get("data", {})
+               for m in state.get("state", {}).values()
+               if m["model_name"] == "OutputModel" for o in m["state"]["outputs"]):
+            out.add(path.stem)
+    return out
 
 
 def _check_widget_figures(page) -> None:

@@ -1,10 +1,16 @@
-"""Every chapter with widgets, run in JupyterLab in Chromium as a student would.
+"""The chapters with widgets in JupyterLab in Chromium, as a student sees them.
 
-Run ▸ Run All Cells from the menu, wait for the kernel's Idle, then: no cell shows
-an error unless tagged `raises-exception`; every markdown image loads; every
-slider and dropdown, moved (a step or an option at a time), changes its widget's
-text or chart, and moved back gives the same text and chart again (the view
-follows the controls, it does not lag). Screenshots go to _build/browser/.
+One chapter (LIVE: ranks that print, a widget with controls) is run as a student
+runs it: Run ▸ Run All Cells from the menu, wait for the kernel's Idle, then no
+cell shows an error unless tagged `raises-exception`, every markdown image loads,
+and every slider and dropdown, moved (a step or an option at a time), changes its
+widget's text or chart, and moved back gives the same text and chart again (the
+view follows the controls, it does not lag).
+
+The others are opened as they ran under nbval (_build/executed/, written by `make
+test-notebooks`; each chapter executes once per run): no cell shows an error,
+every markdown image loads, and every widget is drawn from its stored state,
+figures included. Screenshots go to _build/browser/.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from tests.browser.lab_page import (
     markdown_images,
     new_page,
     open_and_run,
+    open_saved,
+    stored_widgets,
     widget_roots,
 )
 
@@ -65,15 +73,17 @@ def widget_chapters() -> list[Path]:
 
 
 CHAPTERS = widget_chapters()
+LIVE = ROOT / "notebooks" / "02_ring_allreduce.ipynb"  # the ring stepper
 
 
 def test_the_widget_chapters_are_found():
     found = {p.name[:2] for p in CHAPTERS}
     assert {"02", "04"} <= found, found  # the ring stepper, the ZeRO explorer
+    assert LIVE in CHAPTERS
 
 
-@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
-def test_chapter_runs_and_its_widgets_respond(chapter, lab, browser, shots):
+def test_chapter_runs_and_its_widgets_respond(lab, browser, shots):
+    chapter = LIVE
     nb = json.loads(chapter.read_text(encoding="utf-8"))
     page = new_page(browser)
     page_errors: list[str] = []
@@ -93,6 +103,31 @@ def test_chapter_runs_and_its_widgets_respond(chapter, lab, browser, shots):
     finally:
         if page_errors:
             (shots / f"{chapter.stem}.page-errors.txt").write_text(
+                "\n".join(page_errors))
+        page.close()
+        lab.shut_down_kernels()
+
+
+@pytest.mark.parametrize("chapter", [c for c in CHAPTERS if c != LIVE],
+                         ids=lambda p: p.stem)
+def test_executed_chapter_shows_its_outputs_and_stored_widgets(chapter, lab, browser,
+                                                               shots):
+    nb = json.loads((lab.root / "executed" / chapter.name).read_text(encoding="utf-8"))
+    page = new_page(browser)
+    page_errors: list[str] = []
+    page.on("pageerror", lambda e: page_errors.append(str(e)))
+    try:
+        errors = open_saved(page, lab, f"executed/{chapter.name}", nb)
+        page.screenshot(path=str(shots / f"{chapter.stem}.executed.png"))
+        assert errors == [], "cells show errors:\n" + "\n".join(errors)
+        linked = sum(len(re.findall(r"!\[[^\]]*\]\(|<img\b", source(c)))
+                     for c in nb["cells"] if c["cell_type"] == "markdown")
+        assert len(markdown_images(page)) == linked
+        drawn = stored_widgets(page, nb)
+        print(f"{chapter.name}: {drawn} widgets drawn from their stored state")
+    finally:
+        if page_errors:
+            (shots / f"{chapter.stem}.executed.page-errors.txt").write_text(
                 "\n".join(page_errors))
         page.close()
         lab.shut_down_kernels()
@@ -134,6 +169,31 @@ def test_it_sees_errors_broken_images_and_dead_controls(lab, browser, shots):
         (root,) = widget_roots(page)
         with pytest.raises(AssertionError, match="waiting for 'dead' .slider."):
             exercise_widget(root, "selftest", 0, shots, seconds=5)
+    finally:
+        page.close()
+        lab.shut_down_kernels()
+
+
+def test_it_sees_a_widget_whose_state_was_not_stored(lab, browser):
+    """stored_widgets can fail: a saved widget view with no stored state."""
+    view = {"model_id": "0" * 32, "version_major": 2, "version_minor": 0}
+    nb = {"cells": [{"id": "c0", "cell_type": "code", "source": "W.IntSlider()",
+                     "metadata": {}, "execution_count": 1, "outputs": [
+                         {"output_type": "execute_result", "execution_count": 1,
+                          "metadata": {}, "data": {
+                              "application/vnd.jupyter.widget-view+json": view,
+                              "text/plain": "IntSlider(value=0)"}}]}],
+          "metadata": {"kernelspec": {"name": "python3", "language": "python",
+                                      "display_name": "Python 3 (ipykernel)"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    (lab.root / "selftest").mkdir(exist_ok=True)
+    (lab.root / "selftest" / "unstored.ipynb").write_text(json.dumps(nb))
+    lab.trust(lab.root / "selftest")
+    page = new_page(browser)
+    try:
+        assert open_saved(page, lab, "selftest/unstored.ipynb", nb) == []
+        with pytest.raises(AssertionError, match="1 widgets drawn from the stored"):
+            stored_widgets(page, nb, seconds=5)
     finally:
         page.close()
         lab.shut_down_kernels()
