@@ -112,6 +112,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _starts_processes(item):
             item.add_marker(pytest.mark.ranks)
+        if item.path.name.startswith("test_runtime_"):
+            item.add_marker(pytest.mark.runtime)
 
 
 @pytest.fixture(autouse=True)
