@@ -137,9 +137,12 @@ check: lint
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider --ignore=tests/browser \
 		-m "not slow and not ranks"
 
+# the chapters under nbval, TEST_JOBS at once (a chapter's cells in order on one
+# worker), each kept as it ran in _build/executed/ (labkit/cli/executed.py). A
+# chapter's timings may show the other's load: they are printed, never asserted.
 test-notebooks: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
-		--nbval-cell-timeout=$(CELL_TIMEOUT) \
+		--nbval-cell-timeout=$(CELL_TIMEOUT) -n $(TEST_JOBS) --dist loadfile \
 		-p labkit.cli.executed --executed-to $(EXECUTED) notebooks/
 
 # widget chapters in JupyterLab in headless Chromium; screenshots in _build/browser/

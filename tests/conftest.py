@@ -110,6 +110,8 @@ def _starts_processes(item) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if not isinstance(item, pytest.Function):  # a notebook's cell (nbval), in
+            continue                               # a session with both (test-cpus)
         if _starts_processes(item):
             item.add_marker(pytest.mark.ranks)
         if item.path.name.startswith("test_runtime_"):

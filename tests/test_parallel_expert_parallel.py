@@ -243,7 +243,9 @@ def _all_to_all(rank, world_size):
         else:  # torch 2.13's, what torchtitan's ExpertParallel called
             y = all_to_all_single_autograd(x, receive, send, dist.group.WORLD)
         y.backward(torch.arange(y.numel() * 1.0).view_as(y) * (rank + 1))
-        out[name] = (y.detach(), x.grad)
+        # torch's y is an AsyncCollectiveTensor: a copy waits for the collective
+        # (sent as it is, it may carry the buffer before the rows arrived)
+        out[name] = (y.detach().clone(), x.grad)
     return out
 
 
@@ -257,6 +259,7 @@ def test_all_to_all_of_uneven_and_empty_splits(cluster):
             rows = torch.arange(sum(SPLITS[q]) * 2.0).view(-1, 2) + 100 * q
             want.append(rows[start:start + SPLITS[q][rank]])
         y, dx = r["ours"]
+        assert type(r["torch"][0]) is torch.Tensor, type(r["torch"][0])  # waited
         assert torch.equal(y, torch.cat(want)), f"rank {rank}: rows {y.tolist()}"
         assert dx.shape == (sum(SPLITS[rank]), 2), f"rank {rank}: {dx.shape}"
         for name in ("forward", "backward"):  # data moved, nothing added: exact

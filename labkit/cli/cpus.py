@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CORNERS = {
     "avx2": {"MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
     "avx512": {"MKL_CBWR": "AVX512", "ATEN_CPU_CAPABILITY": "avx512"},
@@ -63,18 +65,25 @@ def run_corner(corner: str, tests: list[str], chapters: list[str], out: Path,
     log = out / f"{corner}.jsonl"
     log.unlink(missing_ok=True)
     env = {**os.environ, **CORNERS[corner], "LABKIT_MARGINS": str(log.resolve())}
-    status = 0
-    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    if tests:
-        workers = ["-n", str(jobs), "--dist", "loadfile"] if jobs > 1 else []
-        status |= subprocess.run(base + ["-m", "numerics", *workers, *tests],
-                                 env=env).returncode
+    # one pytest for the corner: the numerics tests and the chapters' cells (this
+    # module, as a plugin, marks them numerics too) share its workers, a file each
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-p", "labkit.cli.cpus", "-m", "numerics"]
+    if jobs > 1:
+        cmd += ["-n", str(jobs), "--dist", "loadfile"]
     if chapters:
-        status |= subprocess.run(
-            base + ["--nbval-lax", "--nbval-current-env",
-                    f"--nbval-cell-timeout={cell_timeout}", *chapters],
-            env=env).returncode
-    return status
+        cmd += ["--nbval-lax", "--nbval-current-env",
+                f"--nbval-cell-timeout={cell_timeout}"]
+    return subprocess.run([*cmd, *tests, *chapters], env=env).returncode
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m numerics deselects
+def pytest_collection_modifyitems(config, items):
+    """As a pytest plugin (`-p labkit.cli.cpus`): a chapter's cells (nbval's items)
+    are numerics tests, since that is why a corner runs the chapter."""
+    for item in items:
+        if type(item).__name__ == "IPyNbCell":
+            item.add_marker(pytest.mark.numerics)
 
 
 def report(out: Path, corners: list[str]) -> str:
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="_build/margins")
     p.add_argument("--cell-timeout", type=int, default=120)
     p.add_argument("--jobs", type=int, default=1,
-                   help="pytest-xdist workers for the tests (the chapters: one)")
+                   help="pytest-xdist workers (a test file or chapter each at a time)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
