@@ -200,10 +200,14 @@ for name in list(sys.modules):
 check_ring_reduce_scatter = check_ring_all_gather = check_crossover = print
 """
 _CHEATS = {
-    # grading switched off (every way an answer cell can), the answers stubs
-    "switched_off": {**_STUBS, "exercise-1": _SWITCH_OFF + _STUBS["exercise-1"]},
-    # every check replaced, in labkit and in the notebook, the answers stubs
-    "patched": {**_STUBS, "exercise-1": _PATCH + _STUBS["exercise-1"]},
+    # the answers stubs; exercise 1's cell switches grading off (every way an
+    # answer cell can: its test cell is the first after it), exercise 2's replaces
+    # every check, in labkit and in the notebook (its and exercise 3's test cells
+    # follow). One submission, one execution of the chapter: a defence that fails
+    # scores its exercise's points
+    "switched_off_then_patched": {
+        **_STUBS, "exercise-1": _SWITCH_OFF + _STUBS["exercise-1"],
+        "exercise-2": _PATCH + _STUBS["exercise-2"]},
     # the built-in collective; values written down; the chapter's number
     "shortcuts": {
         "exercise-1": _RS + "    dist.all_reduce(chunks[(rank + 1) % world_size])\n",
