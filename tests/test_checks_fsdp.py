@@ -13,7 +13,10 @@ import torch.distributed as dist
 from labkit.checks.common import ExerciseError
 from labkit.checks.fsdp import check_min_units, check_peak_share, check_zero3_hooks
 
-pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
+# a right answer is compared with one process within the Oracle's rounding, which
+# other CPUs' kernels move: those tests are marked numerics (run again by `make
+# test-cpus`). A mistake, shortcut, deadlock or exception differs by far more than
+# rounding: those are not.
 
 
 def _zero3(layer, shards, shapes, *, regather=True, free="storage", mean=True,
@@ -170,6 +173,7 @@ def _nan_gradient(layer, shards, shapes):
     _zero3(layer, shards, shapes, poison=True)
 
 
+@pytest.mark.numerics
 def test_zero3_hooks_check(cluster, capsys):
     assert not check_zero3_hooks(cluster, _todo)
     assert "not written yet" in capsys.readouterr().out

@@ -20,7 +20,10 @@ from labkit.checks.tensor_parallel import (
     check_whole_over_half,
 )
 
-pytestmark = pytest.mark.numerics  # run again under other CPUs' kernels
+# a right answer is compared with one process within the Oracle's rounding, which
+# other CPUs' kernels move: those tests are marked numerics (run again by `make
+# test-cpus`). A mistake, shortcut, deadlock or exception differs by far more than
+# rounding: those are not.
 
 # -- exercise 1: the row-parallel forward ------------------------------------------
 
@@ -130,6 +133,7 @@ def _todo(*args):
     raise NotImplementedError("exercise: not yet")
 
 
+@pytest.mark.numerics
 def test_a_right_row_parallel_forward_passes_and_says_what_was_measured(
         cluster, capsys):
     assert not check_row_parallel_forward(cluster, _todo)
@@ -319,6 +323,7 @@ def _labkits_f(x, group):
     return copy_to_tensor_model_parallel_region(x, group)
 
 
+@pytest.mark.numerics
 def test_right_f_and_g_pass_and_the_line_says_what_was_measured(cluster, capsys):
     assert not check_conjugate_operators(cluster, _todo, _todo)
     assert "not written yet" in capsys.readouterr().out
