@@ -18,7 +18,7 @@ import pytest
 from traitlets.config.loader import KVArgParseConfigLoader
 
 from labkit.cli import executed, vendor
-from tests.test_cli_executed import _toy
+from tests.test_cli_executed import toy_chapter
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 60  # per cell; a stalled cell waits all of it
@@ -56,7 +56,7 @@ def _figures(state: dict) -> list[bytes]:
 
 @pytest.mark.slow
 def test_widget_chapter_executes_without_waiting_out_the_timeout(tmp_path):
-    chapter = _toy(tmp_path / "chapters")
+    chapter = toy_chapter(tmp_path / "chapters")
     start = time.monotonic()
     copy = executed.execute(chapter, tmp_path / "executed", TIMEOUT)
     wall = time.monotonic() - start

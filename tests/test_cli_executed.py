@@ -39,7 +39,7 @@ CELLS = [
 ]
 
 
-def _toy(folder: Path) -> Path:
+def toy_chapter(folder: Path) -> Path:
     nb = nbformat.v4.new_notebook()
     for kind, text, tags in CELLS:
         make = nbformat.v4.new_code_cell if kind == "code" else \
@@ -93,7 +93,7 @@ def _widgets(nb: dict) -> list[tuple]:
 
 
 def test_nbvals_copy_is_what_nbclient_writes(tmp_path):
-    path = _toy(tmp_path)
+    path = toy_chapter(tmp_path)
     run = _nbval(path, tmp_path / "nbval")
     assert run.returncode == 0, run.stdout[-3000:]
     assert "6 passed" in run.stdout, run.stdout[-500:]
@@ -131,7 +131,7 @@ def test_nbvals_copy_is_what_nbclient_writes(tmp_path):
 
 
 def test_the_command_executes_only_what_is_stale(tmp_path, capsys):
-    path = _toy(tmp_path)
+    path = toy_chapter(tmp_path)
     assert executed.main([str(tmp_path / "out"), str(path)]) == 0
     said = capsys.readouterr().out
     assert re.search(r"toy.ipynb: executing .* every cell passed", said, re.S), said
