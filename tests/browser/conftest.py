@@ -7,6 +7,7 @@ install`. `make test` runs it when Chromium is there; `make browser-test` alone.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -159,10 +160,14 @@ def executed() -> Path:
 
     chapters = sorted((ROOT / "notebooks").glob("*.ipynb"))
     folder = ROOT / "_build" / "executed"
-    stale = [str(c) for c in chapters if not copies.current(c, folder)]
-    if stale:
-        assert copies.main(["--jobs", "2", str(folder), *stale]) == 0, (
-            f"executing {len(stale)} chapters for the browser test failed")
+    folder.mkdir(parents=True, exist_ok=True)
+    # one test worker executes what is stale; another waits, then finds it current
+    with open(folder / ".browser-test.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stale = [str(c) for c in chapters if not copies.current(c, folder)]
+        if stale:
+            assert copies.main(["--jobs", "2", str(folder), *stale]) == 0, (
+                f"executing {len(stale)} chapters for the browser test failed")
     return folder
 
 
