@@ -15,6 +15,7 @@ figures included. Screenshots go to _build/browser/.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -82,30 +83,42 @@ def test_the_widget_chapters_are_found():
     assert LIVE in CHAPTERS
 
 
-def test_chapter_runs_and_its_widgets_respond(lab, browser, shots):
-    chapter = LIVE
-    nb = json.loads(chapter.read_text(encoding="utf-8"))
+@contextlib.contextmanager
+def chapter_page(browser, lab, shots, name: str):
+    """A fresh page; the page's script errors saved beside the screenshots, the
+    page closed and the kernels shut down after."""
     page = new_page(browser)
     page_errors: list[str] = []
     page.on("pageerror", lambda e: page_errors.append(str(e)))
     try:
+        yield page
+    finally:
+        if page_errors:
+            (shots / f"{name}.page-errors.txt").write_text("\n".join(page_errors))
+        page.close()
+        lab.shut_down_kernels()
+
+
+def check_cells_and_images(page, nb: dict, errors: list[str]) -> None:
+    """No cell shows an error; every markdown image the chapter links loads."""
+    assert errors == [], "cells show errors:\n" + "\n".join(errors)
+    linked = sum(len(re.findall(r"!\[[^\]]*\]\(|<img\b", source(c)))
+                 for c in nb["cells"] if c["cell_type"] == "markdown")
+    assert len(markdown_images(page)) == linked
+
+
+def test_chapter_runs_and_its_widgets_respond(lab, browser, shots):
+    chapter = LIVE
+    nb = json.loads(chapter.read_text(encoding="utf-8"))
+    with chapter_page(browser, lab, shots, chapter.stem) as page:
         errors = open_and_run(page, lab, f"notebooks/{chapter.name}", nb)
         page.screenshot(path=str(shots / f"{chapter.stem}.png"))
-        assert errors == [], "cells show errors:\n" + "\n".join(errors)
-        linked = sum(len(re.findall(r"!\[[^\]]*\]\(|<img\b", source(c)))
-                     for c in nb["cells"] if c["cell_type"] == "markdown")
-        assert len(markdown_images(page)) == linked
+        check_cells_and_images(page, nb, errors)
         checked = []
         for k, root in enumerate(widget_roots(page)):
             checked += exercise_widget(root, chapter.stem, k, shots)
         assert checked, f"{chapter.name} calls a widget but shows no slider or dropdown"
         print(f"{chapter.name}: {len(checked)} controls respond: {', '.join(checked)}")
-    finally:
-        if page_errors:
-            (shots / f"{chapter.stem}.page-errors.txt").write_text(
-                "\n".join(page_errors))
-        page.close()
-        lab.shut_down_kernels()
 
 
 @pytest.mark.parametrize("chapter", [c for c in CHAPTERS if c != LIVE],
@@ -113,24 +126,13 @@ def test_chapter_runs_and_its_widgets_respond(lab, browser, shots):
 def test_executed_chapter_shows_its_outputs_and_stored_widgets(chapter, lab, browser,
                                                                shots):
     nb = json.loads((lab.root / "executed" / chapter.name).read_text(encoding="utf-8"))
-    page = new_page(browser)
-    page_errors: list[str] = []
-    page.on("pageerror", lambda e: page_errors.append(str(e)))
-    try:
+    name = f"{chapter.stem}.executed"
+    with chapter_page(browser, lab, shots, name) as page:
         errors = open_saved(page, lab, f"executed/{chapter.name}", nb)
-        page.screenshot(path=str(shots / f"{chapter.stem}.executed.png"))
-        assert errors == [], "cells show errors:\n" + "\n".join(errors)
-        linked = sum(len(re.findall(r"!\[[^\]]*\]\(|<img\b", source(c)))
-                     for c in nb["cells"] if c["cell_type"] == "markdown")
-        assert len(markdown_images(page)) == linked
+        page.screenshot(path=str(shots / f"{name}.png"))
+        check_cells_and_images(page, nb, errors)
         drawn = stored_widgets(page, nb)
         print(f"{chapter.name}: {drawn} widgets drawn from their stored state")
-    finally:
-        if page_errors:
-            (shots / f"{chapter.stem}.executed.page-errors.txt").write_text(
-                "\n".join(page_errors))
-        page.close()
-        lab.shut_down_kernels()
 
 
 SELFTEST = [
