@@ -187,7 +187,17 @@ def test_rank_killed_while_idle_is_restarted(capsys):
         assert set(c.pids.values()).isdisjoint(old.values())
 
 
-def test_interrupt_stops_ranks_quickly_and_cluster_recovers():
+@pytest.fixture
+def sigint_raises():
+    """Ctrl-C raises KeyboardInterrupt here, as in a kernel, even where pytest
+    inherited SIGINT ignored (a shell's background job), which would leave the
+    call below waiting forever."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_interrupt_stops_ranks_quickly_and_cluster_recovers(sigint_raises):
     def forever(rank, world_size):
         import time
 
