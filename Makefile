@@ -122,7 +122,8 @@ test-lib: install
 	$(BIN)/python -m pytest tests -q --ignore=tests/browser -n $(TEST_JOBS) --dist loadfile
 
 # Other CPUs' kernels (labkit/cli/cpus.py): the numerics tests and chapters 05-08
-# again under each corner this CPU supports, with the largest measured/allowed
+# again under each corner this CPU supports and that is new on it (one whose kernels
+# make test or an earlier corner ran is skipped, said), with the largest measured/allowed
 # error per chapter and test file. CPU_CORNERS picks (avx2, avx512, compatible).
 # (Chapter 04 compares only bytes, which no kernel changes: it is left out.)
 CPU_CORNERS ?= avx2,avx512,compatible

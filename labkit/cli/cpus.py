@@ -4,12 +4,18 @@ error of each chapter and test file is printed (`make test-cpus`).
 
 Which BLAS and ATen kernels run depends on the CPU, and with them the rounding
 of every sum. Two switches pick them on any x86 machine: MKL_CBWR (MKL's code
-path: AVX2, AVX512, or COMPATIBLE, about what MKL runs on AMD processors) and
+path: AVX2, AVX512, or COMPATIBLE, its generic one) and
 ATEN_CPU_CAPABILITY (PyTorch's own kernels: avx2, avx512 or default). A corner
 the CPU lacks is skipped and said so (torch would accept avx512 and crash on its
 first AVX-512 instruction).
 
-    python -m labkit.cli.cpus [--corners avx2,avx512,compatible]
+A corner with nothing new on this CPU is skipped too, and said so: where ATen's
+kernels under it are make test's (the CPU's own: avx512 on an AVX-512 machine)
+and MKL's results on a probe are, bit for bit, those of make test or of a corner
+that already ran (on AMD processors MKL's AVX2 and AVX512 paths agree), running
+it again would only mix two sets of roundings already checked.
+
+    python -m labkit.cli.cpus [--corners avx2,avx512,compatible] [--even-covered]
         [--tests FILE...] [--chapters NOTEBOOK...] [--out DIR] [--jobs N]
 """
 
@@ -46,6 +52,54 @@ def cpu_flags() -> set[str]:
 def supported(corner: str, flags: set[str]) -> bool:
     need = NEEDS[corner]
     return need is None or need in flags
+
+
+def kernels() -> dict[str, str]:
+    """Which kernels this process's torch runs: ATen's (its CPU capability) and
+    MKL's (a hash of what its BLAS and LAPACK return on fixed inputs: float32
+    and float64 matrix products of the course's shapes, plain, transposed,
+    batched and matrix-vector, and a solve). The inputs come from numpy, so no
+    ATen kernel touches them first."""
+    import hashlib
+
+    import numpy as np
+    import torch
+
+    rng, digest = np.random.default_rng(0), hashlib.sha256()
+    for dtype in (torch.float32, torch.float64):
+        def rand(*shape, dtype=dtype):
+            return torch.from_numpy(rng.standard_normal(shape)).to(dtype)
+
+        for m, k, n in [(7, 13, 5), (64, 64, 64), (128, 300, 77), (513, 257, 129),
+                        (32, 768, 3072), (1, 1024, 1)]:
+            a, b = rand(m, k), rand(k, n)
+            outs = [a @ b, a.T.contiguous().T @ b, a @ b.T.contiguous().T,
+                    torch.bmm(rand(3, m, k), rand(3, k, n)), a @ b[:, 0]]
+            for out in outs:
+                digest.update(out.numpy().tobytes())
+        digest.update(torch.linalg.solve(rand(50, 50), rand(50, 3)).numpy().tobytes())
+    return {"aten": torch.backends.cpu.get_cpu_capability(),
+            "blas": digest.hexdigest()[:16]}
+
+
+def kernels_under(env: dict[str, str]) -> dict[str, str]:
+    """kernels() in a fresh process with `env` (the switches act at startup)."""
+    code = ("import json; from labkit.cli.cpus import kernels; "
+            "print(json.dumps(kernels()))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def covered(new: dict[str, str], seen: dict[str, dict[str, str]]) -> str | None:
+    """Why a corner need not run, or None: each of its kernels, ATen's and MKL's,
+    is one that a run in `seen` (name -> kernels) already ran, bit for bit."""
+    aten = [name for name, k in seen.items() if k["aten"] == new["aten"]]
+    blas = [name for name, k in seen.items() if k["blas"] == new["blas"]]
+    if not (aten and blas):
+        return None
+    return (f"ATen's {new['aten']} kernels are {aten[0]}'s and MKL's results "
+            f"(probe {new['blas']}) {blas[0]}'s, bit for bit")
 
 
 def margins(path: Path) -> dict[str, tuple[float, int]]:
@@ -110,12 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chapters", nargs="*", default=[])
     p.add_argument("--out", default="_build/margins")
     p.add_argument("--cell-timeout", type=int, default=120)
+    p.add_argument("--even-covered", action="store_true",
+                   help="run a corner whose kernels make test or an earlier "
+                        "corner already ran")
     p.add_argument("--jobs", type=int, default=1,
                    help="pytest-xdist workers (a test file or chapter each at a time)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     flags, ran, status = cpu_flags(), [], 0
+    # make test ran under this shell's settings: the CPU's own kernels
+    seen = {} if args.even_covered else {"make test": kernels_under(dict(os.environ))}
     for corner in [c.strip() for c in args.corners.split(",") if c.strip()]:
         if corner not in CORNERS:
             p.error(f"unknown corner {corner!r}: one of {', '.join(CORNERS)}")
@@ -124,6 +183,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cpus: {corner} ({settings}) skipped: this CPU has no "
                   f"{NEEDS[corner]}", flush=True)
             continue
+        if not args.even_covered:
+            mine = kernels_under({**os.environ, **CORNERS[corner]})
+            if why := covered(mine, seen):
+                print(f"cpus: {corner} ({settings}) skipped: nothing in it is new "
+                      f"on this CPU: {why} (--even-covered runs it)", flush=True)
+                continue
+            seen[f"the {corner} corner"] = mine
         print(f"cpus: {corner}: {settings}", flush=True)
         code = run_corner(corner, args.tests, args.chapters, out, args.cell_timeout,
                           args.jobs)
