@@ -49,6 +49,7 @@ newest:
 test-newest: newest
 	LABKIT_ENV=newest PYTHONPATH="$(CURDIR)" "$(NEWEST)/bin/python" -m pytest tests \
 		-q -p no:cacheprovider --ignore=tests/browser -n $(TEST_JOBS) --dist loadfile \
+		--no-loadscope-reorder \
 		-m "not slow and not numerics and (not ranks or runtime)"
 
 # Refresh the lock from the newest releases; then run `make test` (it reinstalls
@@ -117,9 +118,12 @@ lint: install
 # the browser test runs as its own step (below), after the chapters pass under nbval.
 # Two workers (pytest-xdist), a test file each at a time: on 2 cores most tests wait
 # on ranks, sockets or timeouts, and a file's tests share its module's cluster.
+# Files with slow tests go first (tests/conftest.py orders them; xdist keeps that
+# order), so the longest does not run alone at the end.
 TEST_JOBS ?= 2
 test-lib: install
-	$(BIN)/python -m pytest tests -q --ignore=tests/browser -n $(TEST_JOBS) --dist loadfile
+	$(BIN)/python -m pytest tests -q --ignore=tests/browser -n $(TEST_JOBS) --dist loadfile \
+		--no-loadscope-reorder
 
 # Other CPUs' kernels (labkit/cli/cpus.py): the numerics tests and chapters 05-08
 # again under each corner this CPU supports and that is new on it (one whose kernels

@@ -4,6 +4,7 @@ import os
 import re
 import textwrap
 import time
+from collections import Counter
 
 import pytest
 
@@ -116,6 +117,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.ranks)
         if item.path.name.startswith("test_runtime_"):
             item.add_marker(pytest.mark.runtime)
+    _longest_first(items)
+
+
+def _longest_first(items) -> None:
+    """Files with a slow test (whole notebooks, torchrun, network namespaces)
+    first, then files by how many tests they hold. pytest-xdist hands out whole
+    files in this order (`--dist loadfile --no-loadscope-reorder`): a file that
+    takes minutes starts early instead of running alone at the end while the
+    other worker waits. Each file's tests keep their order (a stable sort)."""
+    per_file = Counter(item.path for item in items)
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (item.path not in slow, -per_file[item.path]))
 
 
 @pytest.fixture(autouse=True)

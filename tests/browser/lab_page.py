@@ -5,11 +5,15 @@ read is scrolled into view first."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import time
 from pathlib import Path
 
-from labkit.cli.student import tags
+from labkit.cli.student import source, tags
+
+ROOT = Path(__file__).resolve().parents[2]
 
 RUN_ALL_SECONDS = 420  # a whole chapter on 2 busy cores; nbval allows 120 a cell
 WIDGET_SECONDS = 60  # one control's effect (a widget may run ranks)
@@ -102,11 +106,20 @@ def run_all(page, path: str):
                  RUN_ALL_SECONDS, finished)
 
 
+SCROLL_JS = """async () => {
+  const frame = () => new Promise(ok => requestAnimationFrame(() =>
+                                        requestAnimationFrame(ok)));
+  for (const cell of document.querySelectorAll('.jp-Notebook .jp-Cell')) {
+    cell.scrollIntoView({block: 'nearest'});
+    await frame();  // JupyterLab draws what scrolled into view in the next frame
+  }
+}"""
+
+
 def scroll_through(page):
-    """Bring every cell into view once: JupyterLab renders only what is on screen."""
-    cells = page.locator(".jp-Notebook .jp-Cell")
-    for i in range(cells.count()):
-        cells.nth(i).scroll_into_view_if_needed()
+    """Bring every cell into view once: JupyterLab renders only what is on screen.
+    In the page, a cell at a time, two frames each (one call, not one per cell)."""
+    page.evaluate(SCROLL_JS)
 
 
 def markdown_images(page) -> list[str]:
@@ -303,3 +316,71 @@ def stored_widgets(page, nb: dict, seconds: float = WIDGET_SECONDS) -> int:
     assert shown >= min(figures, 1), (
         f"the stored state holds {figures} figures; the widgets show {shown}")
     return wanted
+
+
+# ---------------------------------------------------------------------- chapters
+
+
+def widget_factories() -> set[str]:
+    """labkit.viz's names that make a widget: its ipywidgets classes and the
+    functions that return one."""
+    import typing
+
+    import ipywidgets
+
+    from labkit import viz
+
+    names = set()
+    for name in dir(viz):
+        obj = getattr(viz, name)
+        if isinstance(obj, type) and issubclass(obj, ipywidgets.Widget):
+            names.add(name)
+        elif callable(obj):
+            try:
+                ret = typing.get_type_hints(obj).get("return")
+            except Exception:
+                continue
+            if isinstance(ret, type) and issubclass(ret, ipywidgets.Widget):
+                names.add(name)
+    return names
+
+
+def uses_widgets(nb: dict, factories: set[str]) -> bool:
+    calls = r"\b(?:" + "|".join(sorted(factories)) + r")\s*\(" if factories else "$^"
+    pattern = re.compile(rf"\bipywidgets\b|\binteract(?:ive)?\s*\(|{calls}")
+    return any(c["cell_type"] == "code" and pattern.search(source(c))
+               for c in nb["cells"])
+
+
+def widget_chapters() -> list[Path]:
+    factories = widget_factories()
+    return [p for p in sorted((ROOT / "notebooks").glob("*.ipynb"))
+            if uses_widgets(json.loads(p.read_text(encoding="utf-8")), factories)]
+
+
+CHAPTERS = widget_chapters()
+LIVE = ROOT / "notebooks" / "02_ring_allreduce.ipynb"  # the ring stepper
+
+
+@contextlib.contextmanager
+def chapter_page(browser, lab, shots, name: str):
+    """A fresh page; the page's script errors saved beside the screenshots, the
+    page closed and the kernels shut down after."""
+    page = new_page(browser)
+    page_errors: list[str] = []
+    page.on("pageerror", lambda e: page_errors.append(str(e)))
+    try:
+        yield page
+    finally:
+        if page_errors:
+            (shots / f"{name}.page-errors.txt").write_text("\n".join(page_errors))
+        page.close()
+        lab.shut_down_kernels()
+
+
+def check_cells_and_images(page, nb: dict, errors: list[str]) -> None:
+    """No cell shows an error; every markdown image the chapter links loads."""
+    assert errors == [], "cells show errors:\n" + "\n".join(errors)
+    linked = sum(len(re.findall(r"!\[[^\]]*\]\(|<img\b", source(c)))
+                 for c in nb["cells"] if c["cell_type"] == "markdown")
+    assert len(markdown_images(page)) == linked

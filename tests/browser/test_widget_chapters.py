@@ -7,23 +7,21 @@ and every slider and dropdown, moved (a step or an option at a time), changes it
 widget's text or chart, and moved back gives the same text and chart again (the
 view follows the controls, it does not lag).
 
-The others are opened as they ran under nbval (_build/executed/, written by `make
-test-notebooks`; each chapter executes once per run): no cell shows an error,
-every markdown image loads, and every widget is drawn from its stored state,
-figures included. Screenshots go to _build/browser/.
+The others are opened as they ran (test_executed_chapters.py). Screenshots go
+to _build/browser/.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import re
-from pathlib import Path
 
 import pytest
 
-from labkit.cli.student import source
 from tests.browser.lab_page import (
+    CHAPTERS,
+    LIVE,
+    chapter_page,
+    check_cells_and_images,
     exercise_widget,
     markdown_images,
     new_page,
@@ -33,78 +31,11 @@ from tests.browser.lab_page import (
     widget_roots,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def widget_factories() -> set[str]:
-    """labkit.viz's names that make a widget: its ipywidgets classes and the
-    functions that return one."""
-    import typing
-
-    import ipywidgets
-
-    from labkit import viz
-
-    names = set()
-    for name in dir(viz):
-        obj = getattr(viz, name)
-        if isinstance(obj, type) and issubclass(obj, ipywidgets.Widget):
-            names.add(name)
-        elif callable(obj):
-            try:
-                ret = typing.get_type_hints(obj).get("return")
-            except Exception:
-                continue
-            if isinstance(ret, type) and issubclass(ret, ipywidgets.Widget):
-                names.add(name)
-    return names
-
-
-def uses_widgets(nb: dict, factories: set[str]) -> bool:
-    calls = r"\b(?:" + "|".join(sorted(factories)) + r")\s*\(" if factories else "$^"
-    pattern = re.compile(rf"\bipywidgets\b|\binteract(?:ive)?\s*\(|{calls}")
-    return any(c["cell_type"] == "code" and pattern.search(source(c))
-               for c in nb["cells"])
-
-
-def widget_chapters() -> list[Path]:
-    factories = widget_factories()
-    return [p for p in sorted((ROOT / "notebooks").glob("*.ipynb"))
-            if uses_widgets(json.loads(p.read_text(encoding="utf-8")), factories)]
-
-
-CHAPTERS = widget_chapters()
-LIVE = ROOT / "notebooks" / "02_ring_allreduce.ipynb"  # the ring stepper
-
 
 def test_the_widget_chapters_are_found():
     found = {p.name[:2] for p in CHAPTERS}
     assert {"02", "04"} <= found, found  # the ring stepper, the ZeRO explorer
     assert LIVE in CHAPTERS
-
-
-@contextlib.contextmanager
-def chapter_page(browser, lab, shots, name: str):
-    """A fresh page; the page's script errors saved beside the screenshots, the
-    page closed and the kernels shut down after."""
-    page = new_page(browser)
-    page_errors: list[str] = []
-    page.on("pageerror", lambda e: page_errors.append(str(e)))
-    try:
-        yield page
-    finally:
-        if page_errors:
-            (shots / f"{name}.page-errors.txt").write_text("\n".join(page_errors))
-        page.close()
-        lab.shut_down_kernels()
-
-
-def check_cells_and_images(page, nb: dict, errors: list[str]) -> None:
-    """No cell shows an error; every markdown image the chapter links loads."""
-    assert errors == [], "cells show errors:\n" + "\n".join(errors)
-    linked = sum(len(re.findall(r"!\[[^\]]*\]\(|<img\b", source(c)))
-                 for c in nb["cells"] if c["cell_type"] == "markdown")
-    assert len(markdown_images(page)) == linked
 
 
 def test_chapter_runs_and_its_widgets_respond(lab, browser, shots):
@@ -119,20 +50,6 @@ def test_chapter_runs_and_its_widgets_respond(lab, browser, shots):
             checked += exercise_widget(root, chapter.stem, k, shots)
         assert checked, f"{chapter.name} calls a widget but shows no slider or dropdown"
         print(f"{chapter.name}: {len(checked)} controls respond: {', '.join(checked)}")
-
-
-@pytest.mark.parametrize("chapter", [c for c in CHAPTERS if c != LIVE],
-                         ids=lambda p: p.stem)
-def test_executed_chapter_shows_its_outputs_and_stored_widgets(chapter, lab, browser,
-                                                               shots):
-    nb = json.loads((lab.root / "executed" / chapter.name).read_text(encoding="utf-8"))
-    name = f"{chapter.stem}.executed"
-    with chapter_page(browser, lab, shots, name) as page:
-        errors = open_saved(page, lab, f"executed/{chapter.name}", nb)
-        page.screenshot(path=str(shots / f"{name}.png"))
-        check_cells_and_images(page, nb, errors)
-        drawn = stored_widgets(page, nb)
-        print(f"{chapter.name}: {drawn} widgets drawn from their stored state")
 
 
 SELFTEST = [
@@ -170,7 +87,7 @@ def test_it_sees_errors_broken_images_and_dead_controls(lab, browser, shots):
             markdown_images(page)
         (root,) = widget_roots(page)
         with pytest.raises(AssertionError, match="waiting for 'dead' .slider."):
-            exercise_widget(root, "selftest", 0, shots, seconds=5)
+            exercise_widget(root, "selftest", 0, shots, seconds=3)
     finally:
         page.close()
         lab.shut_down_kernels()
