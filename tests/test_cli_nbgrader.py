@@ -208,25 +208,14 @@ _CHEATS = {
     "switched_off_then_patched": {
         **_STUBS, "exercise-1": _SWITCH_OFF + _STUBS["exercise-1"],
         "exercise-2": _PATCH + _STUBS["exercise-2"]},
-    # the built-in collective; values written down; the chapter's number
+    # the usual shortcuts, one to an exercise: the built-in collective, values
+    # written down, labkit's own α-β model. Each exercise's other shortcuts (labkit's
+    # ring, the built-in all-gather, the chapter's number) are refused by the same
+    # checks in tests/test_checks_ring.py, which these test cells call
     "shortcuts": {
         "exercise-1": _RS + "    dist.all_reduce(chunks[(rank + 1) % world_size])\n",
         "exercise-2": _AG + "    for c, x in enumerate(chunks):\n"
                             "        x.fill_(10.0 * (c + 1))\n",
-        "exercise-3": _CROSS + "    return 256e6\n"},
-    # labkit's own ring and α-β model; the built-in all-gather
-    "labkits_own": {
-        "exercise-1": _RS + "    from labkit.comm.collectives import "
-                            "ring_reduce_scatter\n"
-                            "    x = torch.cat(chunks)\n"
-                            "    ring_reduce_scatter(x)\n"
-                            "    for c, v in zip(chunks, x.chunk(world_size)):\n"
-                            "        c.copy_(v)\n",
-        "exercise-2": _AG + "    mine = chunks[(rank + 1) % world_size].clone()\n"
-                            "    parts = [torch.empty_like(mine) for _ in chunks]\n"
-                            "    dist.all_gather(parts, mine)\n"
-                            "    for q, part in enumerate(parts):\n"
-                            "        chunks[(q + 1) % world_size].copy_(part)\n",
         "exercise-3": _CROSS + "    from labkit import theory\n"
                                "    t = theory.alpha_beta_time\n"
                                "    lat = t('all_reduce', 0, n, alpha, beta)\n"
@@ -248,7 +237,8 @@ def test_nbgrader_generates_and_autogrades_a_chapter(tmp_path):
     submission every point, one with exercise 1 right, exercise 2 left as its
     stub with its test cell replaced by `pass` (nbgrader restores locked cells)
     and exercise 3 wrong, exercise 1's points only, and every cheat (_CHEATS:
-    grading switched off, checks patched, shortcuts, labkit's own code) none."""
+    grading switched off, checks patched, shortcuts, labkit's own code) none:
+    four executions of the chapter."""
     from nbgrader.api import Gradebook
 
     (source_nb,) = build(out=tmp_path, chapters=[CHAPTER])
