@@ -234,11 +234,12 @@ _CHEATS = {
 @pytest.mark.slow
 def test_nbgrader_generates_and_autogrades_a_chapter(tmp_path):
     """generate_assignment releases the stubs; autograde gives a correct
-    submission every point, one with exercise 1 right, exercise 2 left as its
-    stub with its test cell replaced by `pass` (nbgrader restores locked cells)
-    and exercise 3 wrong, exercise 1's points only, and every cheat (_CHEATS:
-    grading switched off, checks patched, shortcuts, labkit's own code) none:
-    four executions of the chapter."""
+    submission every point; one with grading switched off in exercise 1 and the
+    checks replaced in exercise 2 (_CHEATS), exercise 3 right, exercise 3's points
+    only (a defence costs its own exercise); one with the usual shortcuts and
+    exercise 2's test cell replaced by `pass` (nbgrader puts the locked cell
+    back) none. Three executions of the chapter; a wrong answer's message is the
+    checks' tests' (tests/test_checks_ring.py)."""
     from nbgrader.api import Gradebook
 
     (source_nb,) = build(out=tmp_path, chapters=[CHAPTER])
@@ -259,41 +260,28 @@ def test_nbgrader_generates_and_autogrades_a_chapter(tmp_path):
     assert sorted(points) == ["exercise-1-check", "exercise-2-check",
                               "exercise-3-check"], points
 
-    right = copy.deepcopy(release)
-    partly = copy.deepcopy(release)
-    for r, p in zip(right["cells"], partly["cells"]):
-        gid = _nbgrader(r).get("grade_id")
-        if gid in solutions:
-            r["source"] = solutions[gid]
-        if gid == "exercise-1":
-            p["source"] = solutions[gid]
-        elif gid == "exercise-2-check":
-            p["source"] = "pass"
-        elif gid == "exercise-3":  # alpha·beta: the N left out
-            p["source"] = _CROSS + "    return alpha * beta\n"
-    _submit(tmp_path, "right", right)
-    _submit(tmp_path, "partly", partly)
-    for name, answers in _CHEATS.items():
-        cheat = copy.deepcopy(release)
-        for c in cheat["cells"]:
+    zero = dict.fromkeys(points, 0.0)
+    submissions = {  # name: (answers by grade id, the score each should get)
+        "right": (solutions, points),
+        "switched_off_then_patched": (
+            {**_CHEATS["switched_off_then_patched"],
+             "exercise-3": solutions["exercise-3"]},
+            {**zero, "exercise-3-check": points["exercise-3-check"]}),
+        "shortcuts": ({**_CHEATS["shortcuts"], "exercise-2-check": "pass"}, zero),
+    }
+    assert set(_CHEATS) < set(submissions)
+    for name, (answers, _) in submissions.items():
+        nb = copy.deepcopy(release)
+        for c in nb["cells"]:
             if _nbgrader(c).get("grade_id") in answers:
                 c["source"] = answers[_nbgrader(c)["grade_id"]]
-        _submit(tmp_path, name, cheat)
+        _submit(tmp_path, name, nb)
     _nbgrader_cli("autograde", CHAPTER, "--create", cwd=tmp_path)
 
     with Gradebook(f"sqlite:///{tmp_path / 'gradebook.db'}") as gb:
         scores = {s: {g.cell.name: g.score
                       for g in gb.find_submission(CHAPTER, s).notebooks[0].grades}
-                  for s in ("right", "partly", *_CHEATS)}
-    want_right = points
-    want_partly = {**dict.fromkeys(points, 0.0),
-                   "exercise-1-check": points["exercise-1-check"]}
-    assert scores["right"] == want_right, (
-        f"a correct submission scored {scores['right']}, every point is {want_right}")
-    assert scores["partly"] == want_partly, (
-        f"exercise 1 right, 2 a stub with its test replaced, 3 wrong scored "
-        f"{scores['partly']}; expected {want_partly}")
-    for name in _CHEATS:
-        assert scores[name] == dict.fromkeys(points, 0.0), (
-            f"the cheating submission {name!r} scored {scores[name]}; every cheat "
-            "must score 0")
+                  for s in submissions}
+    for name, (_, want) in submissions.items():
+        assert scores[name] == want, (
+            f"the submission {name!r} scored {scores[name]}; expected {want}")
