@@ -121,14 +121,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _longest_first(items) -> None:
-    """Files with a slow test (whole notebooks, torchrun, network namespaces)
-    first, then files by how many tests they hold. pytest-xdist hands out whole
-    files in this order (`--dist loadfile --no-loadscope-reorder`): a file that
-    takes minutes starts early instead of running alone at the end while the
-    other worker waits. Each file's tests keep their order (a stable sort)."""
+    """Files by how many slow tests they hold (whole notebooks, a browser,
+    torchrun, network namespaces), then by how many tests. pytest-xdist hands out
+    whole files in this order (`--dist loadfile --no-loadscope-reorder`): a file
+    that takes minutes starts early instead of running alone at the end while
+    the other workers wait. Each file's tests keep their order (a stable sort)."""
     per_file = Counter(item.path for item in items)
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: (item.path not in slow, -per_file[item.path]))
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: (-slow[item.path], -per_file[item.path]))
 
 
 @pytest.fixture(autouse=True)

@@ -106,20 +106,14 @@ def run_all(page, path: str):
                  RUN_ALL_SECONDS, finished)
 
 
-SCROLL_JS = """async () => {
-  const frame = () => new Promise(ok => requestAnimationFrame(() =>
-                                        requestAnimationFrame(ok)));
-  for (const cell of document.querySelectorAll('.jp-Notebook .jp-Cell')) {
-    cell.scrollIntoView({block: 'nearest'});
-    await frame();  // JupyterLab draws what scrolled into view in the next frame
-  }
-}"""
-
-
 def scroll_through(page):
     """Bring every cell into view once: JupyterLab renders only what is on screen.
-    In the page, a cell at a time, two frames each (one call, not one per cell)."""
-    page.evaluate(SCROLL_JS)
+    A cell at a time, from here: with a page script that scrolled through at
+    once instead, chapter 06's saved widget was once never drawn on a loaded
+    machine (the cause not found), so this stays as it ran many times."""
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    for i in range(cells.count()):
+        cells.nth(i).scroll_into_view_if_needed()
 
 
 def markdown_images(page) -> list[str]:

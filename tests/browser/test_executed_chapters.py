@@ -21,6 +21,8 @@ from tests.browser.lab_page import (
     stored_widgets,
 )
 
+pytestmark = pytest.mark.slow  # whole chapters in a browser
+
 
 @pytest.mark.parametrize("chapter", [c for c in CHAPTERS if c != LIVE],
                          ids=lambda p: p.stem)

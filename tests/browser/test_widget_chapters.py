@@ -31,6 +31,8 @@ from tests.browser.lab_page import (
     widget_roots,
 )
 
+pytestmark = pytest.mark.slow  # whole chapters in a browser
+
 
 def test_the_widget_chapters_are_found():
     found = {p.name[:2] for p in CHAPTERS}
