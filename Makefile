@@ -14,7 +14,7 @@ CELL_TIMEOUT ?= 120
 # chromium fonts-wqy-microhei); never a browser downloaded by `playwright install`
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: FORCE executed install newest test-newest lock test-cpus check lab book slides student nbgrader test lint test-lib test-lib-browser test-notebooks \
+.PHONY: FORCE executed install newest test-newest lock test-cpus check lab book slides student nbgrader test lint test-lib test-notebooks \
 	browser-test bench doctor images clean-notebooks clean vendor two-hosts
 
 install: $(STAMP)
@@ -107,10 +107,7 @@ nbgrader: install
 	$(BIN)/python -m labkit nbgrader --out dist/nbgrader
 
 # each step's time is printed at the end, beside the last run's (labkit/cli/steps.py)
-# the chapters first: the browser tests open the copies they leave. Where Chromium
-# is, the library and browser tests then run in one pytest session
-# (test-lib-browser): one worker's browser waits leave its core to the others
-TEST_STEPS := install lint test-notebooks $(if $(wildcard $(CHROMIUM)),test-lib-browser,test-lib)
+TEST_STEPS := install lint test-lib test-notebooks $(if $(wildcard $(CHROMIUM)),browser-test)
 test:
 	@$(PYTHON) -m labkit.cli.steps $(TEST_STEPS)
 
@@ -118,7 +115,7 @@ lint: install
 	$(BIN)/ruff check labkit tests examples
 	$(BIN)/lint-imports --no-cache  # the layers contract in pyproject.toml
 
-# the library tests alone (make test runs them with the browser tests, below).
+# the browser test runs as its own step (below), after the chapters pass under nbval.
 # Two workers (pytest-xdist), a test file each at a time: on 2 cores most tests wait
 # on ranks, sockets or timeouts, and a file's tests share its module's cluster.
 # Files with slow tests go first (tests/conftest.py orders them; xdist keeps that
@@ -152,16 +149,6 @@ test-notebooks: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=$(CELL_TIMEOUT) -n $(TEST_JOBS) --dist loadfile \
 		-p labkit.cli.executed --executed-to $(EXECUTED) notebooks/
-
-# the library tests and the browser tests in one pytest session, LIB_JOBS workers
-# a file each at a time (here 6:35 for both, against 5:20 and 2:05 one after the
-# other on two workers each)
-LIB_JOBS ?= 3
-test-lib-browser: install
-	@test -x "$(CHROMIUM)" || { echo "make test-lib-browser needs Chromium at" \
-		"$(CHROMIUM); make test-lib runs the library tests alone"; exit 1; }
-	LABKIT_CHROMIUM="$(CHROMIUM)" $(BIN)/python -m pytest tests -q -n $(LIB_JOBS) \
-		--dist loadfile --no-loadscope-reorder
 
 # widget chapters in JupyterLab in headless Chromium; screenshots in _build/browser/.
 # TEST_JOBS workers, a test file each at a time (each worker its own JupyterLab)

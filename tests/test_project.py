@@ -146,20 +146,14 @@ def test_make_student_and_browser_test_are_wired():
     make = (ROOT / "Makefile").read_text()
     for target in ("student", "browser-test"):
         assert re.search(rf"^{target}: install$", make, re.M), target
-    # `make test` runs the chapters, then the library tests with the browser
-    # tests exactly where Chromium is, each once (its steps, each timed, in
-    # TEST_STEPS): test-lib-browser collects tests/ whole, test-lib leaves the
-    # browser out
+    # `make test` runs the browser test exactly where Chromium is, and only once
+    # (its steps, each timed, in TEST_STEPS)
     (steps,) = re.findall(r"^TEST_STEPS := (.*)$", make, re.M)
-    assert steps.split()[:3] == ["install", "lint", "test-notebooks"], steps
-    assert steps.endswith(" $(if $(wildcard $(CHROMIUM)),test-lib-browser,test-lib)"
-                          ), steps
-    assert "browser-test" not in steps.split(), steps
+    assert steps.split()[:4] == ["install", "lint", "test-lib", "test-notebooks"], steps
+    assert steps.endswith(" $(if $(wildcard $(CHROMIUM)),browser-test)"), steps
+    assert steps.count("browser-test") == 1, steps
     assert re.search(r"^test:\n\t@\$\(PYTHON\) -m labkit\.cli\.steps "
                      r"\$\(TEST_STEPS\)$", make, re.M)
-    recipe = re.search(r"^test-lib-browser: install\n((?:\t.*\n)+)", make, re.M)[1]
-    assert "pytest tests -q " in recipe and "--ignore" not in recipe, recipe
-    assert 'LABKIT_CHROMIUM="$(CHROMIUM)"' in recipe, recipe
     assert "pytest tests -q --ignore=tests/browser" in make
     assert "dist/" in (ROOT / ".gitignore").read_text().split()
 
