@@ -167,12 +167,24 @@ def _wait_acked(stores, seconds: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def read_counters() -> dict:
-    stats = {}
-    for i in IFACES:
-        d = Path("/sys/class/net", i, "statistics")
-        stats[i] = [int((d / f).read_text()) for f in ("tx_bytes", "tx_packets")]
-    return {"ifaces": stats, "sockets": sockets()}
+def read_counters(tries: int = 200) -> dict:
+    """The interfaces' counters and every socket's, as of one moment: sockets,
+    interfaces, sockets again, until no socket sent a byte in between (a store's
+    heartbeat between the two readings would count on one side only: once, on a
+    busy machine, 717 B short)."""
+    before = sockets()
+    for _ in range(tries):
+        stats = {}
+        for i in IFACES:
+            d = Path("/sys/class/net", i, "statistics")
+            stats[i] = [int((d / f).read_text()) for f in ("tx_bytes", "tx_packets")]
+        after = sockets()
+        if ({k: s["sent"] for k, s in after.items()}
+                == {k: s["sent"] for k, s in before.items()}):
+            return {"ifaces": stats, "sockets": after}
+        before = after
+    raise RuntimeError(f"the sockets kept sending through {tries} readings of the "
+                       "interfaces' counters")
 
 
 def difference(c0: dict, c1: dict, stores: set[int]) -> dict:
