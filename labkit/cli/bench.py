@@ -229,13 +229,14 @@ def interleaved_medians(world_size: int, worker, names, rounds: int, steps: int
     seconds: dict[str, list[float]] = {k: [] for k in names}
     with labkit.Cluster(world_size, timeout=600) as c:
         for r in range(rounds):
-            _progress(f"round {r + 1} of {rounds}")
+            progress(f"round {r + 1} of {rounds}")
             for name in list(names)[::-1] if r % 2 else names:
                 seconds[name].append(max(c.run(worker, name, steps)))
     return {k: statistics.median(v) for k, v in seconds.items()}
 
 
-def _progress(msg: str) -> None:
+def progress(msg: str) -> None:
+    """What a benchmark is doing now, a line on stderr (the tables go to stdout)."""
     print(f"  … {msg}", file=sys.stderr, flush=True)
 
 
@@ -246,10 +247,10 @@ def bench_cluster(world_size: int = 4, calls: int = 2000) -> int:
 
     n = world_size
     print(f"labkit bench cluster: {n} ranks, {os.cpu_count()} cores (all timings)")
-    _progress("first start, in fresh interpreters")
+    progress("first start, in fresh interpreters")
     warm = sorted(_first_start(n, prewarm=True) for _ in range(3))[1]
     cold = _first_start(n, prewarm=False)
-    _progress("first restart after a fault, in fresh interpreters (idle 1.5-2.5 s)")
+    progress("first restart after a fault, in fresh interpreters (idle 1.5-2.5 s)")
     # the worst of three idle times: the forkserver's idle-time imports start 1 s
     # after it serves a cluster, and a restart must not wait for them
     first_restart = max(_first_restart(n, idle) for idle in (1.5, 2.0, 2.5))
@@ -259,7 +260,7 @@ def bench_cluster(world_size: int = 4, calls: int = 2000) -> int:
 
         # measure the steady state, not the forkserver's imports when idle
         forkserver.shared().wait_preloaded()
-        _progress(f"{calls} warm no-op calls")
+        progress(f"{calls} warm no-op calls")
         for _ in range(50):
             c.run(_noop)
         noop = []
@@ -269,7 +270,7 @@ def bench_cluster(world_size: int = 4, calls: int = 2000) -> int:
             noop.append(time.perf_counter() - t)
         p50, p99 = _pct(noop, 0.5), _pct(noop, 0.99)
 
-        _progress("restart after a fault (10 faults)")
+        progress("restart after a fault (10 faults)")
         restarts = []
         for _ in range(10):
             try:
@@ -281,7 +282,7 @@ def bench_cluster(world_size: int = 4, calls: int = 2000) -> int:
             restarts.append(time.perf_counter() - t)
         restart = statistics.median(restarts)
 
-        _progress("1M-float all_reduce round trips")
+        progress("1M-float all_reduce round trips")
         c.run(_all_reduce_1m)
         ar = []
         for _ in range(30):
@@ -290,7 +291,7 @@ def bench_cluster(world_size: int = 4, calls: int = 2000) -> int:
             ar.append(time.perf_counter() - t)
         ar50 = _pct(ar, 0.5)
 
-        _progress(f"{PRINTED_LINES:,} printed lines per rank, watched and not (x5)")
+        progress(f"{PRINTED_LINES:,} printed lines per rank, watched and not (x5)")
         printing = {"file": [], "live": []}
         for _ in range(5):  # alternating, so machine noise hits both alike
             for how in ("file", "live"):
@@ -298,7 +299,7 @@ def bench_cluster(world_size: int = 4, calls: int = 2000) -> int:
         file_s = statistics.median(printing["file"])
         live_s = statistics.median(printing["live"])
 
-    _progress("the usual way: torch.multiprocessing.spawn per call (3 times)")
+    progress("the usual way: torch.multiprocessing.spawn per call (3 times)")
     spawn = []
     for _ in range(3):
         t = time.perf_counter()

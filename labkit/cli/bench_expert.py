@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from labkit.cli.bench import Row, _progress, exit_code, median_step, table
+from labkit.cli.bench import Row, exit_code, median_step, progress, table
 
 # ExpertParallelMoE / one-process MoELayer, step time: a ceiling. Where the ranks
 # together have more cores than the loop's one rank (4 ranks on 2 cores: twice),
@@ -138,11 +138,11 @@ def bench_expert(world_size: int = 4, rounds: int = 5, steps: int = 5,
               f"experts h {s['hidden']} -> ffn {s['ffn']} -> h, top-{s['k']}, "
               f"{s['tokens']} tokens a rank (step times are timings)")
         print(_note(n, os.cpu_count() or 1, c.threads))
-        _progress("the layer's bytes, under the traffic ledger")
+        progress("the layer's bytes, under the traffic ledger")
         layer_bytes = list(c.run(_layer_bytes, s))
         seconds: dict[str, list[float]] = {k: [] for k in NAMES}
         for r in range(rounds):  # each round runs each layer once, order alternating
-            _progress(f"round {r + 1} of {rounds}")
+            progress(f"round {r + 1} of {rounds}")
             for name in NAMES[::-1] if r % 2 else NAMES:
                 seconds[name].append(max(c.run(_time_steps, name, steps, s)))
         threads = c.threads

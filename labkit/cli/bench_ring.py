@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from labkit.cli.bench import TARGETS, Row, _progress, exit_code, table
+from labkit.cli.bench import TARGETS, Row, exit_code, progress, table
 
 
 def ring_rows(busbw_median: dict[str, float]) -> list[Row]:
@@ -34,7 +34,7 @@ def bench_ring(world_size: int = 4, size: int = 16 << 20, rounds: int = 5) -> in
     with labkit.Cluster(n) as c:
         forkserver.shared().wait_preloaded()
         for k in range(rounds):
-            _progress(f"round {k + 1} of {rounds}")
+            progress(f"round {k + 1} of {rounds}")
             for op in busbw:
                 res = c.run(time_collective, op, size, min_seconds=0.5, max_iters=50)
                 secs = max(v[0] for v in res)

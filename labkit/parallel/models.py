@@ -104,7 +104,10 @@ def _head_dim(hidden: int, heads: int) -> int:
     return hidden // heads
 
 
-def _check_recompute(recompute: str) -> str:
+def check_recompute(recompute: str) -> str:
+    """`recompute` if it is one of RECOMPUTE (what a layer may recompute in its
+    backward), else a ValueError naming them; TransformerLayer's and
+    ParallelTransformerLayer's one rule."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
     return recompute
@@ -160,7 +163,7 @@ class TransformerLayer(nn.Module):
         self.attn = SelfAttention(hidden, heads, causal)
         self.mlp = MLP(hidden, ffn_hidden or 4 * hidden)
         self.p, self.causal = dropout, causal
-        self.recompute = _check_recompute(recompute)
+        self.recompute = check_recompute(recompute)
 
     def _column(self, linear: nn.Module, x):  # (s, b, h) -> (s, b, out)
         return linear(x)

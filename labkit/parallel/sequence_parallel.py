@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.ledger import memory
-from labkit.parallel.models import TransformerLayer, _check_recompute, split_heads
+from labkit.parallel.models import TransformerLayer, check_recompute, split_heads
 from labkit.parallel.tensor_parallel import ParallelMLP, ParallelSelfAttention
 from labkit.parallel.tensor_parallel_mappings import (
     all_gather_first,
@@ -101,7 +101,7 @@ class ParallelTransformerLayer(TransformerLayer):
                                sequence_parallel)
         self.p, self.causal = dropout, causal
         self.sequence_parallel, self.regather = sequence_parallel, regather
-        self.recompute = _check_recompute(recompute)
+        self.recompute = check_recompute(recompute)
 
     @classmethod
     def from_layer(cls, layer: TransformerLayer, group=None, *,
