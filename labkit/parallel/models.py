@@ -97,7 +97,9 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # ()
 
 
-def _head_dim(hidden: int, heads: int) -> int:
+def head_dim_of(hidden: int, heads: int) -> int:
+    """hidden / heads, the width of one attention head, or a ValueError when heads
+    do not divide hidden; SelfAttention's and the tensor-parallel one's rule."""
     if heads < 1 or hidden % heads:
         raise ValueError(f"hidden = {hidden} is not divisible by heads = {heads}: "
                          "every head needs hidden / heads features")
@@ -136,7 +138,7 @@ class SelfAttention(nn.Module):
 
     def __init__(self, hidden: int, heads: int, causal: bool = True):
         super().__init__()
-        self.head_dim = _head_dim(hidden, heads)
+        self.head_dim = head_dim_of(hidden, heads)
         self.heads, self.causal = heads, causal
         self.q, self.k, self.v, self.proj = (nn.Linear(hidden, hidden)
                                              for _ in range(4))

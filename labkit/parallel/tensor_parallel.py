@@ -43,8 +43,8 @@ from torch import nn
 from labkit.parallel.models import (
     MLP,
     SelfAttention,
-    _head_dim,
     attention,
+    head_dim_of,
     merge_heads,
     split_heads,
 )
@@ -273,7 +273,7 @@ class ParallelSelfAttention(nn.Module):
                  sequence_parallel: bool = False, causal: bool = True):
         super().__init__()
         _, tp, tp_rank = _group_of(group, "ParallelSelfAttention")
-        self.head_dim = _head_dim(hidden, heads)
+        self.head_dim = head_dim_of(hidden, heads)
         self.local_heads = divide(heads, tp, "heads")
         with _copying():
             self.qkv = ColumnParallelLinear(hidden, 3 * hidden, group,

@@ -135,7 +135,7 @@ def _serve_calls(main: socket.socket, rank: int, world_size: int,
             call: Call = cloudpickle.loads(frame)  # may import what the call uses
             call_id = call.call_id
             STATE.update(call=call_id, bars=0, phase=None)
-            value = _to_cpu(call.fn(rank, world_size, *call.args, **call.kwargs))
+            value = to_cpu(call.fn(rank, world_size, *call.args, **call.kwargs))
             reply = Returned(call_id, value, 0.0)
         except BaseException as e:  # noqa: BLE001  (SystemExit too: report, don't die)
             reply = Raised(call_id, describe_exception(e), 0.0)
@@ -154,8 +154,9 @@ def _serve_calls(main: socket.socket, rank: int, world_size: int,
             wire.send_bytes(main, data)
 
 
-def _to_cpu(value):
-    """CUDA tensors come back as CPU tensors, so the kernel never touches CUDA."""
+def to_cpu(value):
+    """`value` with its CUDA tensors as CPU tensors, so what a rank sends home (to
+    the kernel, or to a results file) never needs CUDA to unpickle."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return value

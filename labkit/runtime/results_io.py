@@ -42,13 +42,13 @@ def save_rank_result(directory, rank: int, world_size: int, value=None, *,
     import cloudpickle
     import torch
 
-    from labkit.runtime.rank import _to_cpu
+    from labkit.runtime.rank import to_cpu
 
     record = {"labkit_result": 1, "rank": rank, "world_size": world_size,
               "run_id": run_id, "target": target, "args": tuple(args),
               "host": socket.gethostname(), "seconds": seconds,
               "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
-              "value": None if error is not None else _to_cpu(value),
+              "value": None if error is not None else to_cpu(value),
               "error": None if error is None else
               "".join(traceback.format_exception(error))}
     directory = Path(directory)
