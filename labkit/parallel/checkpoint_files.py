@@ -35,7 +35,7 @@ def _dcp():
 
 
 
-def _is_tensor(m) -> bool:
+def is_tensor_entry(m) -> bool:
     """A TensorStorageMetadata (the other kind, BytesStorageMetadata, is a
     pickled value: the step, a hyperparameter)."""
     return hasattr(m, "chunks")
@@ -46,11 +46,11 @@ def load_full_state_dict(path) -> dict:
     """The checkpoint at `path`, read in one process (no process group):
     {"model": {every name: the whole tensor in the parameter's shape}, "optim":
     torch's full optimizer state_dict keyed by names, if saved, "step": int}."""
-    md = _metadata(path)
-    flat = {k: torch.empty(m.size, dtype=m.properties.dtype) if _is_tensor(m)
+    md = read_metadata(path)
+    flat = {k: torch.empty(m.size, dtype=m.properties.dtype) if is_tensor_entry(m)
             else None for k, m in md.state_dict_metadata.items()}
     _load_here(path, flat)
-    tree = _nest(flat, md)
+    tree = nest(flat, md)
     if "layout" in tree:  # labkit's flat shards: each in its own shape again
         layout = json.loads(tree.pop("layout"))
         shapes = layout["shapes"]
@@ -100,13 +100,13 @@ class CheckpointBytes:
 
 def checkpoint_bytes(path) -> CheckpointBytes:
     """What the checkpoint at `path` holds, file by file (see FileBytes)."""
-    md = _metadata(path)
+    md = read_metadata(path)
     rows: dict[str, list] = {}  # file -> [listed, tensor bytes, tensors, objects]
     for idx, info in md.storage_data.items():
         row = rows.setdefault(info.relative_path, [0, 0, 0, 0])
         row[0] += info.length
         m = md.state_dict_metadata[idx.fqn]
-        if not _is_tensor(m):
+        if not is_tensor_entry(m):
             row[3] += 1
         else:
             chunk = next(c for c in m.chunks if c.offsets == idx.offset)
@@ -120,7 +120,7 @@ def checkpoint_bytes(path) -> CheckpointBytes:
 
 
 
-def _metadata(path):
+def read_metadata(path):
     """.metadata of the checkpoint at `path`, once its save is known to have
     finished and its files to be whole; else an error naming the folder or file."""
     p = os.fspath(path)
@@ -195,7 +195,7 @@ def _extents(md) -> dict[str, int]:
     return out
 
 
-def _load(path, state: dict, **kw) -> None:
+def dcp_load(path, state: dict, **kw) -> None:
     """dcp.load, a failure said as the checkpoint's (DCP's own names no file)."""
     dcp = _dcp()
     try:
@@ -299,7 +299,7 @@ def _writer(target: str):
     return Writer(target + SAVING)
 
 
-def _save(path, state: dict, group) -> None:
+def dcp_save(path, state: dict, group) -> None:
     """dcp.save of `state` into `path`, whole or not at all (see the top)."""
     dcp, target = _dcp(), os.path.abspath(os.fspath(path))
     _check_target(target)
@@ -315,17 +315,17 @@ def _save(path, state: dict, group) -> None:
             "any, is as it was") from e
 
 
-def _objects(path, md) -> dict:
+def read_values(path, md) -> dict:
     """The values that are not tensors (step, layout, hyperparameters)."""
     flat = {k: None for k, m in md.state_dict_metadata.items()
-            if not _is_tensor(m)}
+            if not is_tensor_entry(m)}
     if flat:
         _load_here(path, flat)
     return flat
 
 
 
-def _flat_planner():
+def flat_planner():
     """DCP's planner for a dict keyed as DCP flattened it. Non-tensor values go
     into the dict dcp.load copies back to ours (without flattening, the default
     planner puts them into a copy of its own, and they are lost)."""
@@ -343,11 +343,11 @@ def _load_here(path, flat: dict) -> None:
     """Fill `flat` from `path` in this process alone."""
     with warnings.catch_warnings():  # "assuming ... a single process": yes
         warnings.filterwarnings("ignore", message=".*single process")
-        _load(path, flat, no_dist=True, planner=_flat_planner())
+        dcp_load(path, flat, no_dist=True, planner=flat_planner())
 
 
 
-def _nest(flat: dict, md) -> dict:
+def nest(flat: dict, md) -> dict:
     """DCP's flattened keys back into the saved tree (lists where it had lists)."""
     root: dict = {}
     for key, value in flat.items():

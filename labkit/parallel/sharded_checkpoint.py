@@ -44,15 +44,15 @@ import torch
 from labkit.parallel.checkpoint_files import (  # noqa: F401 (re-exported)
     CheckpointBytes,
     FileBytes,
-    _flat_planner,
-    _is_tensor,
-    _load,
-    _metadata,
-    _nest,
-    _objects,
-    _save,
     checkpoint_bytes,
+    dcp_load,
+    dcp_save,
+    flat_planner,
+    is_tensor_entry,
     load_full_state_dict,
+    nest,
+    read_metadata,
+    read_values,
 )
 from labkit.parallel.fsdp import FullyShardedDataParallel
 
@@ -149,7 +149,7 @@ def save_sharded(path, model: torch.nn.Module, optimizer=None, *, step: int = 0
         state, group = dict(zip(("model", "optim"),
                                 dsd.get_state_dict(model, optimizer))), None
     state["step"] = int(step)
-    _save(path, state, group)
+    dcp_save(path, state, group)
 
 
 def _ours(fsdp: FullyShardedDataParallel, optimizer) -> dict:
@@ -185,8 +185,8 @@ def load_sharded(path, model: torch.nn.Module, optimizer=None) -> int:
     buffers, and optimizer's state, from the checkpoint at `path`; return its
     step. Collective: every rank calls it, with the model wrapped and the
     optimizer built as for training."""
-    md = _metadata(path)
-    objects = _nest(_objects(path, md), md)
+    md = read_metadata(path)
+    objects = nest(read_values(path, md), md)
     layout = json.loads(objects["layout"]) if "layout" in objects else None
     if optimizer is not None and "optim" not in objects:
         raise ValueError(f"{path} holds no optimizer state (saved without an "
@@ -207,14 +207,14 @@ def load_sharded(path, model: torch.nn.Module, optimizer=None) -> int:
         dsd.get_state_dict(model, optimizer)
     saved = {p[1]: tuple(md.state_dict_metadata[k].size)
              for k, p in md.planner_data.items() if p[0] == "model"
-             and _is_tensor(md.state_dict_metadata[k])}
+             and is_tensor_entry(md.state_dict_metadata[k])}
     _check_fits(path, {k: tuple(v.shape) for k, v in msd.items()}, saved)
     state = {"model": msd}
     if optimizer is not None:  # a parameter that never had a gradient: no state
         have = {p[2] for p in md.planner_data.values() if p[:2] == ("optim", "state")}
         osd["state"] = {k: v for k, v in osd["state"].items() if k in have}
         state["optim"] = osd
-    _load(path, state)
+    dcp_load(path, state)
     if optimizer is None:
         dsd.set_model_state_dict(model, state["model"])
     else:  # strict=False lets those stay without state; names were checked above
@@ -246,7 +246,7 @@ def _load_ours(path, md, objects, layout, fsdp, optimizer) -> None:
     flat = {}  # DCP's flattened keys -> where each tensor loads
     for key, where in md.planner_data.items():
         m = md.state_dict_metadata[key]
-        if not _is_tensor(m) or (optimizer is None and where[0] == "optim"):
+        if not is_tensor_entry(m) or (optimizer is None and where[0] == "optim"):
             continue
         e = by_name[where[1] if where[0] == "model" else where[2]]
         if e.s is not None and tuple(m.size) == (e.numel,):  # a flat DTensor
@@ -254,14 +254,14 @@ def _load_ours(path, md, objects, layout, fsdp, optimizer) -> None:
                                                     .dtype), e, mesh)
         else:
             flat[key] = e.tensor.new_empty(m.size, dtype=m.properties.dtype)
-    _load(path, flat, process_group=fsdp.group, planner=_flat_planner())
+    dcp_load(path, flat, process_group=fsdp.group, planner=flat_planner())
 
     def held(v, e):  # as this rank holds it: its piece, zero padding after
         v = v.to_local() if hasattr(v, "to_local") else v  # a DTensor
         return v if e.s is None or v.dim() == 0 else torch.cat(
             [v, v.new_zeros(e.s - v.numel())])
 
-    tree = _nest(flat, md)
+    tree = nest(flat, md)
     with torch.no_grad():
         for name, v in tree["model"].items():
             by_name[name].tensor.copy_(held(v, by_name[name]))
