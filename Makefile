@@ -151,12 +151,13 @@ test-notebooks: install
 		-p labkit.cli.executed --executed-to $(EXECUTED) notebooks/
 
 # widget chapters in JupyterLab in headless Chromium; screenshots in _build/browser/.
-# TEST_JOBS workers, a test file each at a time (each worker its own JupyterLab)
+# TEST_JOBS workers, a test file each at a time (each worker its own JupyterLab), in
+# the order tests/browser/conftest.py gives them
 browser-test: install
 	@test -x "$(CHROMIUM)" || { echo "make browser-test needs Chromium at $(CHROMIUM)" \
 		"(Debian/Ubuntu: apt-get install chromium fonts-wqy-microhei)"; exit 1; }
 	LABKIT_CHROMIUM="$(CHROMIUM)" $(BIN)/python -m pytest tests/browser -q \
-		-n $(TEST_JOBS) --dist loadfile
+		-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 doctor: install
 	$(BIN)/python -m labkit doctor

@@ -73,6 +73,15 @@ def test_sweep_on_real_ranks(cluster):
         f"{inside:.3f} s of timed iterations in a sweep of {elapsed:.3f} s")
 
 
+def test_a_call_longer_than_min_seconds_is_its_own_timing(cluster):
+    # every call takes longer than 1 ns: the first timed call is the measurement,
+    # none more (a 64 MiB all-reduce is not repeated to reach min_seconds)
+    pts = sweep(cluster, ("all_reduce", "broadcast"), sizes=[1024, 1 << 20],
+                progress=False, min_seconds=1e-9)
+    assert [p.iters for p in pts] == [1] * 4, [(p.op, p.size, p.iters) for p in pts]
+    assert all(0 < p.seconds < 60 for p in pts), [p.seconds for p in pts]
+
+
 def test_unknown_op_is_reported(cluster):
     import labkit
 

@@ -32,7 +32,7 @@ def _factor(op: str, n: int) -> float:
     return BUS_FACTOR["all_reduce" if op == "ring_all_reduce" else op](n)
 
 
-def time_collective(rank, world_size, op: str, size: int, *, min_seconds: float = 0.1,
+def time_collective(rank, world_size, op: str, size: int, *, min_seconds: float = 0.05,
                     max_iters: int = 50) -> tuple[float, int]:
     """Worker: mean seconds per call of `op` on an S-byte float32 array, and the
     number of timed calls. Runs on every rank; ranks agree on the count."""
@@ -61,10 +61,14 @@ def time_collective(rank, world_size, op: str, size: int, *, min_seconds: float 
     t0 = time.perf_counter()
     call()
     first = time.perf_counter() - t0
-    # every rank must make the same number of calls: agree on rank 0's estimate
-    n = torch.tensor([max(1, min(max_iters, int(min_seconds / max(first, 1e-6))))])
+    # every rank must make the same number of calls: agree on rank 0's estimate;
+    # none more where one call already took min_seconds (large arrays): it is the
+    # timing, from each rank's own clock
+    n = torch.tensor([min(max_iters, int(min_seconds / max(first, 1e-6)))])
     dist.broadcast(n, src=0)
     iters = int(n.item())
+    if iters == 0:
+        return first, 1
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -73,7 +77,7 @@ def time_collective(rank, world_size, op: str, size: int, *, min_seconds: float 
 
 
 def sweep(cluster, ops=SWEEP_OPS, sizes=None, *, progress: bool = True,
-          min_seconds: float = 0.1, max_iters: int = 50) -> list[BwPoint]:
+          min_seconds: float = 0.05, max_iters: int = 50) -> list[BwPoint]:
     """Time each op at each size on `cluster`'s ranks; one BwPoint per (op, size)."""
     sizes = sizes or [4**k * 1024 for k in range(9)]  # 1 KiB .. 64 MiB
     jobs = [(op, s) for op in ops for s in sizes]

@@ -114,7 +114,7 @@ def test_it_sees_a_widget_whose_state_was_not_stored(lab, browser):
     try:
         assert open_saved(page, lab, "selftest/unstored.ipynb", nb) == []
         with pytest.raises(AssertionError, match="1 widgets drawn from the stored"):
-            stored_widgets(page, nb, seconds=5)
+            stored_widgets(page, nb, seconds=2)  # none will come: 2 s tell it
     finally:
         page.close()
         lab.shut_down_kernels()
