@@ -41,7 +41,7 @@ def _line_of(fn, text: str) -> int:
 def test_a_deadlock_is_named_within_seconds(cluster):
     start = time.monotonic()
     with pytest.raises(checks.ExerciseError) as e:
-        checks.check_ring_reduce_scatter(cluster, _recv_first)
+        checks.check_ring_reduce_scatter(cluster, _recv_first, timeout=2)
     took = time.monotonic() - start
     msg = str(e.value)
     assert msg.startswith("deadlock: every rank is waiting in recv from its left "
@@ -51,9 +51,26 @@ def test_a_deadlock_is_named_within_seconds(cluster):
             "_recv_first: `dist.recv(buf, left)  # every rank waits here: nobody has "
             "sent yet`") in msg
     assert "Traceback" not in msg
-    # the short timeout (5 s) plus a restart, not the cluster's 20 s
-    assert took < SHORT_TIMEOUT + 10, took
+    # the 2 s asked for plus a restart, not the cluster's 20 s
+    assert took < 2 + 10, f"the deadlock was told after {took:.1f} s, under 12 expected"
     checks.check_ring_reduce_scatter(cluster, _good)  # the ranks came back
+
+
+def test_every_check_on_the_ranks_takes_a_timeout_the_short_one_by_default():
+    # a student's hang is a deadlock after SHORT_TIMEOUT s, whichever check runs
+    # it; timeout= gives a slow machine longer (and these tests' deadlocks 2 s).
+    # The 3D check's default is its own: 8 ranks build their groups first
+    on_ranks = {name: inspect.signature(getattr(checks, name)).parameters
+                for name in dir(checks) if name.startswith("check_")
+                and next(iter(inspect.signature(getattr(checks, name)).parameters),
+                         None) == "cluster"}
+    assert len(on_ranks) >= 19, sorted(on_ranks)
+    defaults = {name: p["timeout"].default if "timeout" in p else None
+                for name, p in on_ranks.items()}
+    longer = {"check_dp_bytes"}
+    assert {n for n, d in defaults.items() if d != SHORT_TIMEOUT} == longer, defaults
+    assert all(on_ranks[n]["timeout"].kind is inspect.Parameter.KEYWORD_ONLY
+               for n in on_ranks), "timeout= is keyword-only everywhere"
 
 
 def test_an_exception_on_one_rank_is_one_message_with_the_students_line(cluster):

@@ -214,7 +214,7 @@ def test_flush_mistakes_and_shortcuts_are_named(cluster, flush, message):
 
 def test_flush_deadlock_is_reported(cluster):
     with pytest.raises(ExerciseError, match=r"deadlock: rank 0 still waiting"):
-        check_bucket_flush(cluster, _flush_rank0_only)
+        check_bucket_flush(cluster, _flush_rank0_only, timeout=2)
 
 
 # ---------------------------------------------------------------- uneven shards

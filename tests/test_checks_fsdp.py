@@ -211,7 +211,7 @@ def test_zero3_hooks_check(cluster, capsys):
         check_zero3_hooks(cluster, _raises)
     with pytest.raises(ExerciseError, match=r"(?s)deadlock: rank 0 still waiting.*"
                        r"in all_gather"):
-        check_zero3_hooks(cluster, _rank0_gathers)  # reported after 5 s, not 30
+        check_zero3_hooks(cluster, _rank0_gathers, timeout=2)  # after 2 s, not 30
 
 
 @pytest.mark.parametrize("fn, message", [

@@ -177,8 +177,8 @@ def test_an_exception_on_one_rank_names_it_and_the_line(cluster):
 def test_1f1b_order_check_reports_a_deadlock_in_seconds(cluster, capsys):
     start = time.monotonic()
     with pytest.raises(ExerciseError) as err:
-        check_1f1b_order(cluster, _recv_first)
-    took = time.monotonic() - start  # SHORT_TIMEOUT (5 s), not the cluster's 20
+        check_1f1b_order(cluster, _recv_first, timeout=2)
+    took = time.monotonic() - start  # the 2 s asked for, not the cluster's 20
     assert took < 15, f"the deadlock was told after {took:.1f} s, under 15 expected"
     lines = str(err.value).splitlines()
     assert lines[0].endswith(": deadlock: rank 1 waits in recv from rank 0, which "
@@ -308,9 +308,9 @@ def test_an_exception_and_an_endless_loop_are_told(cluster):
         "in _one_schedule: `return {\"gpipe\": m}[schedule]`")
     assert str(err.value).startswith("my_in_flight('1f1b', p=")
     with pytest.raises(ExerciseError) as err:
-        check_in_flight(cluster, _forever)
+        check_in_flight(cluster, _forever, timeout=2)
     lines = str(err.value).splitlines()
-    assert "rank 0 still running after 5 s without waiting on another rank" in (
+    assert "rank 0 still running after 2 s without waiting on another rank" in (
         lines[0])
     line = _line(_forever, "while True")
     assert (f"  rank 0: running, not waiting on another rank at line {line} "

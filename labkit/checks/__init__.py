@@ -5,13 +5,14 @@ and either prints a short success line or raises `ExerciseError` naming the rank
 the tensor (or chunk) and the element that is wrong. A function that still raises
 NotImplementedError is "not written yet": the check says so and returns without
 failing the notebook (under `graded()`, an nbgrader assignment's, it fails); an
-exception, a deadlock (found after common.SHORT_TIMEOUT s) or a result of the
-wrong type, shape or dtype is one ExerciseError naming the rank and the student's
-line. A check verifies the work, not only the answer (verify.py): inputs drawn
-afresh each run, labkit's own implementation refused, messages and bytes held to
-the pattern asked for. grading.py keeps a graded notebook graded and its checks
-as labkit's files define them. May import every layer below; one module per
-chapter that has checks.
+exception, a deadlock (found after common.SHORT_TIMEOUT s; every check that runs
+answers on the ranks takes `timeout=` seconds instead, e.g. for a slow machine)
+or a result of the wrong type, shape or dtype is one ExerciseError naming the rank
+and the student's line. A check verifies the work, not only the answer
+(verify.py): inputs drawn afresh each run, labkit's own implementation refused,
+messages and bytes held to the pattern asked for. grading.py keeps a graded
+notebook graded and its checks as labkit's files define them. May import every
+layer below; one module per chapter that has checks.
 """
 
 from labkit.checks.collectives import (

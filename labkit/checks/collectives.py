@@ -16,6 +16,7 @@ from fractions import Fraction
 
 from labkit.checks.common import (
     NOT_WRITTEN,
+    SHORT_TIMEOUT,
     ExerciseError,
     call_answer,
     check_like,
@@ -94,7 +95,7 @@ def _origin(v: float, x, k: int) -> str:
     return f"element {e % k} of rank {i}'s chunk {e // k}"
 
 
-def check_all_to_all(cluster, fn) -> None:
+def check_all_to_all(cluster, fn, *, timeout: float = SHORT_TIMEOUT) -> None:
     """Check a student's all-to-all built from send/recv.
 
     `fn(rank, world_size, x)` gets this rank's x, n equal chunks, and returns a new
@@ -105,7 +106,7 @@ def check_all_to_all(cluster, fn) -> None:
     """
     n, k = cluster.world_size, _A2A_CHUNK
     x = _a2a_inputs(fresh_seed(), n, k)
-    res = run_answer(cluster, _answer_worker, fn, x, what="all-to-all")
+    res = run_answer(cluster, _answer_worker, fn, x, what="all-to-all", timeout=timeout)
     if res is None:
         return
     for rank, (_, records, _, own) in enumerate(res):
@@ -226,7 +227,8 @@ def _rs_bytes_why(ratio: float, n: int) -> str:
     return ": less than the chunks the other ranks need from this one"
 
 
-def check_cheap_reduce_scatter(cluster, fn, numel: int = _RS_NUMEL) -> None:
+def check_cheap_reduce_scatter(cluster, fn, numel: int = _RS_NUMEL, *,
+                               timeout: float = SHORT_TIMEOUT) -> None:
     """Check a student's reduce-scatter that sends (N-1)/N·M per rank.
 
     `fn(rank, world_size, x)` gets this rank's x (numel divisible by N, drawn
@@ -239,7 +241,8 @@ def check_cheap_reduce_scatter(cluster, fn, numel: int = _RS_NUMEL) -> None:
     if numel % n:
         raise ValueError(f"numel {numel} is not divisible by {n} ranks")
     x = _rs_inputs(fresh_seed(), n, numel)
-    res = run_answer(cluster, _answer_worker, fn, x, what="reduce-scatter")
+    res = run_answer(cluster, _answer_worker, fn, x, what="reduce-scatter",
+                     timeout=timeout)
     if res is None:
         return
     s, m = numel // n, 4 * numel

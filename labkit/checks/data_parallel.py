@@ -103,7 +103,7 @@ _FLUSH_RETURNS_WITHIN = 2.0  # seconds
 _FINISH_HELD = 0.5  # seconds
 
 
-def _bucket_flush_worker(rank, world_size, flush, seed):
+def _bucket_flush_worker(rank, world_size, flush, seed, timeout):
     """Two passes. The first, in backward as DataParallel runs it, under the
     traffic ledger (which completes each collective before the next: bytes, not
     overlap). The second on plain whole-number tensors, without the ledger, where
@@ -135,7 +135,7 @@ def _bucket_flush_worker(rank, world_size, flush, seed):
                 for finish in finishes:  # backward is over: wait for every bucket
                     with t.phase("finish"):
                         finish()
-        probe = (_async_probe(rank, world_size, flush, seed)
+        probe = (_async_probe(rank, world_size, flush, seed, timeout)
                  if all(r is True for r in returned) and not own else None)
     calls = [(r.phase, r.op, r.elements, r.payload_bytes) for r in t.records]
     return ({n: p.grad.clone() for n, p in named.items()}, returned, calls, probe,
@@ -165,7 +165,7 @@ def _appears(store, key: str, seconds: float) -> bool:
     return True
 
 
-def _async_probe(rank, world_size, flush, seed):
+def _async_probe(rank, world_size, flush, seed, timeout):
     """Rank 0 calls flush and finish while the other ranks have not yet started
     their all-reduce, which therefore cannot complete: a flush that returns did
     not wait for it, a finish that returns did not wait either. Told through the
@@ -184,7 +184,7 @@ def _async_probe(rank, world_size, flush, seed):
             finish()
         store.set("finished", "1")
     else:
-        if not _appears(store, "flush", SHORT_TIMEOUT - 1):
+        if not _appears(store, "flush", timeout - 1):
             return None  # rank 0 is stuck before it (pass 1): let the timeout say so
         # rank 0 blocked in flush: its all-reduce waits for ours
         waited_in_flush = not _appears(store, "flushed", _FLUSH_RETURNS_WITHIN)
@@ -197,7 +197,7 @@ def _async_probe(rank, world_size, flush, seed):
     return [t.clone() for t in grads], waited_in_flush, finish_early
 
 
-def check_bucket_flush(cluster, flush) -> bool:
+def check_bucket_flush(cluster, flush, *, timeout: float = SHORT_TIMEOUT) -> bool:
     """Check a student's bucket flush, the heart of bucketed all-reduce.
 
     `flush(grads, world_size)` is called during backward as soon as every gradient
@@ -214,8 +214,8 @@ def check_bucket_flush(cluster, flush) -> bool:
     """
     n = cluster.world_size
     seed = fresh_seed()
-    res = run_answer(cluster, _bucket_flush_worker, flush, seed, what="flush",
-                     timeout=SHORT_TIMEOUT + _FLUSH_RETURNS_WITHIN + _FINISH_HELD)
+    res = run_answer(cluster, _bucket_flush_worker, flush, seed, timeout, what="flush",
+                     timeout=timeout + _FLUSH_RETURNS_WITHIN + _FINISH_HELD)
     if res is None:
         return NOT_YET
     sizes = {k: p.numel() for k, p in _small_mlp(seed).named_parameters()}
@@ -372,7 +372,7 @@ def _uneven_worker(rank, world_size, sync, seed, counts):
     return {n: p.grad.clone() for n, p in model.named_parameters()}, calls, list(own)
 
 
-def check_uneven_shards(cluster, sync) -> bool:
+def check_uneven_shards(cluster, sync, *, timeout: float = SHORT_TIMEOUT) -> bool:
     """Check a student's gradient sync for shards of different sizes, when no rank
     is told the batch's size.
 
@@ -388,7 +388,8 @@ def check_uneven_shards(cluster, sync) -> bool:
     n = cluster.world_size
     seed = fresh_seed()
     counts = _uneven_counts(seed, n)
-    res = run_answer(cluster, _uneven_worker, sync, seed, counts, what="sync")
+    res = run_answer(cluster, _uneven_worker, sync, seed, counts, what="sync",
+                     timeout=timeout)
     if res is None:
         return NOT_YET
     for rank, (_, _, own) in enumerate(res):

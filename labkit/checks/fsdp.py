@@ -11,6 +11,7 @@ import copy
 from labkit.checks.common import (
     NOT_YET,
     PASSED,
+    SHORT_TIMEOUT,
     ExerciseError,
     run_answer,
     wrong_element,
@@ -159,7 +160,7 @@ def _hooks_run(rank, world_size, fn, seed):
             "ops": ops}
 
 
-def check_zero3_hooks(cluster, fn) -> bool:
+def check_zero3_hooks(cluster, fn, *, timeout: float = SHORT_TIMEOUT) -> bool:
     """Check a student's ZeRO-3 layer, forward and backward, on a Linear(10, 7)
     whose input needs its gradient (as a middle layer's does), autograd on.
 
@@ -180,7 +181,8 @@ def check_zero3_hooks(cluster, fn) -> bool:
     all-to-all and a local sum), nothing else; labkit's own FSDP is refused.
     """
     seed = fresh_seed()
-    res = run_answer(cluster, _hooks_worker, fn, seed, what="ZeRO-3 hooks")
+    res = run_answer(cluster, _hooks_worker, fn, seed, what="ZeRO-3 hooks",
+                     timeout=timeout)
     if res is None:
         return NOT_YET
     n = cluster.world_size

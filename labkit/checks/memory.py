@@ -14,6 +14,7 @@ from labkit.checks.common import (
     NOT_WRITTEN,
     NOT_YET,
     PASSED,
+    SHORT_TIMEOUT,
     ExerciseError,
     call_answer,
     is_finite,
@@ -85,7 +86,8 @@ def _sgd_hint(cat: str, p, momentum: float, dtype: str) -> str:
     return f"a {dtype} number is {size} bytes"
 
 
-def check_optimizer_bytes(cluster, make_optimizer, predicted) -> bool:
+def check_optimizer_bytes(cluster, make_optimizer, predicted, *,
+                          timeout: float = SHORT_TIMEOUT) -> bool:
     """Check a student's SGD and their prediction of its memory.
 
     `make_optimizer(params, momentum)` returns a torch.optim.SGD over params with
@@ -118,7 +120,7 @@ def check_optimizer_bytes(cluster, make_optimizer, predicted) -> bool:
                                     f"per parameter, got {p[cat]!r}")
         guesses.append(p)
     res = run_answer(cluster, _optimizer_worker, make_optimizer, cases,
-                     what="optimizer")
+                     what="optimizer", timeout=timeout)
     if res is None:
         return NOT_YET
     for rank, runs in enumerate(res):

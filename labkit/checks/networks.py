@@ -15,6 +15,7 @@ from labkit.checks.common import (
     NOT_WRITTEN,
     NOT_YET,
     PASSED,
+    SHORT_TIMEOUT,
     ExerciseError,
     call_answer,
     run_answer,
@@ -149,7 +150,7 @@ def _lookup(rows, mark) -> dict[tuple, str]:
     return table
 
 
-def check_moe_combine(cluster, fn) -> bool:
+def check_moe_combine(cluster, fn, *, timeout: float = SHORT_TIMEOUT) -> bool:
     """Check a student's MoE combine: the all-to-all that brings each token's
     expert output back to the rank it came from, in its original order.
 
@@ -165,7 +166,7 @@ def check_moe_combine(cluster, fn) -> bool:
     rows, experts, mark = _draw_moe(fresh_seed(), n)
     token = f"labkit-combine-{fresh_seed()}"
     res = run_answer(cluster, _combine_worker, fn, rows, experts, mark, token,
-                     what="combine")
+                     what="combine", timeout=timeout)
     if res is None:
         return NOT_YET
     for r in res:

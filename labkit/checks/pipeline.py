@@ -23,6 +23,7 @@ from labkit.checks.common import (
     NOT_WRITTEN,
     NOT_YET,
     PASSED,
+    SHORT_TIMEOUT,
     ExerciseError,
     call_answer,
     compare,
@@ -41,10 +42,10 @@ _OWN = ("labkit.parallel.pipeline_schedules", "labkit.parallel.pipeline_parallel
         "labkit.checks.pipeline:_held", "labkit.checks.pipeline:_fewest")
 
 
-def _run(cluster, worker, *args, what: str, case: str):
+def _run(cluster, worker, *args, what: str, case: str, timeout: float):
     """common.run_answer, with the case that ran ("p=4, m=6") leading its error."""
     try:
-        return run_answer(cluster, worker, *args, what=what)
+        return run_answer(cluster, worker, *args, what=what, timeout=timeout)
     except ExerciseError as err:
         raise ExerciseError(f"{case}: {err}") from None
 
@@ -262,7 +263,7 @@ def _pipeline_worker(rank, world_size, orders, m, seed, rows):
     return {"grads": _grads(pipe.module), "in_flight": pipe.peak_in_flight}
 
 
-def check_1f1b_order(cluster, fn) -> bool:
+def check_1f1b_order(cluster, fn, *, timeout: float = SHORT_TIMEOUT) -> bool:
     """Check `fn(p, m, rank)`: stage `rank`'s 1F1B order for m micro-batches, a
     list of ("F", i) and ("B", i). Called (on rank 0) on (p, m, rank) drawn
     fresh each run, then on every rank of the cluster, for its own stage, with
@@ -276,7 +277,7 @@ def check_1f1b_order(cluster, fn) -> bool:
     for q, m, rank in _order_cases(rng.getrandbits(31)):
         case = f"my_1f1b_order({q}, {m}, {rank})"
         res = _run(cluster, _order_worker, fn, q, m, rank, what="1F1B order",
-                   case=case)
+                   case=case, timeout=timeout)
         if res is None:
             return NOT_YET
         refuse_own(case, res[0]["own"], "schedules")
@@ -286,7 +287,7 @@ def check_1f1b_order(cluster, fn) -> bool:
     m, seed = rng.randint(1, 2 * p), rng.getrandbits(31)
     rows = m * rng.randint(1, 3)
     res = _run(cluster, _order_worker, fn, None, m, None, what="1F1B order",
-               case=f"p={p}, m={m}")
+               case=f"p={p}, m={m}", timeout=timeout)
     if res is None:
         return NOT_YET
     for rank, r in enumerate(res):
@@ -392,7 +393,7 @@ def _compare_count(case: str, guess, want, hint: str) -> None:
         raise ExerciseError(f"{case}: you predicted {guess}, {want} expected{hint}")
 
 
-def check_in_flight(cluster, fn) -> bool:
+def check_in_flight(cluster, fn, *, timeout: float = SHORT_TIMEOUT) -> bool:
     """Check `fn(schedule, p, m, stage)`: how many micro-batches' activations
     stage `stage` of p holds at its peak under "gpipe" or "1f1b". Called (on
     rank 0) on cases drawn fresh each run, against a count along this module's
@@ -407,7 +408,7 @@ def check_in_flight(cluster, fn) -> bool:
     for schedule, q, m, stage in _in_flight_cases(rng.getrandbits(31)):
         case = f"my_in_flight({schedule!r}, p={q}, m={m}, stage={stage})"
         res = _run(cluster, _predict_worker, fn, [(schedule, q, m, stage)], q,
-                   what="prediction", case=case)
+                   what="prediction", case=case, timeout=timeout)
         if res is None:
             return NOT_YET
         r = res[0][0]
@@ -420,7 +421,7 @@ def check_in_flight(cluster, fn) -> bool:
     ms = (rng.randint(1, p - 1) if p > 1 else 1, rng.randint(p, 2 * p))
     cases = [(s, m) for m in ms for s in SCHEDULES]
     res = _run(cluster, _predict_worker, fn, cases, what="prediction",
-               case=f"p={p}, m = {ms[0]} and {ms[1]}")
+               case=f"p={p}, m = {ms[0]} and {ms[1]}", timeout=timeout)
     if res is None:
         return NOT_YET
     measured = labkit_cluster(cluster).run(_measure_worker, cases,

@@ -14,6 +14,7 @@ from fractions import Fraction
 
 from labkit.checks.common import (
     NOT_WRITTEN,
+    SHORT_TIMEOUT,
     ExerciseError,
     call_answer,
     check_like,
@@ -100,7 +101,8 @@ def _measured(n: int, chunk_len: int) -> str:
 # ---------------------------------------------------------------- reduce-scatter
 
 
-def check_ring_reduce_scatter(cluster, fn, chunk_len: int = 3) -> None:
+def check_ring_reduce_scatter(cluster, fn, chunk_len: int = 3, *,
+                              timeout: float = SHORT_TIMEOUT) -> None:
     """Check a student's ring reduce-scatter phase.
 
     `fn(rank, world_size, chunks)` gets this rank's n chunks (tensor views) and
@@ -109,7 +111,7 @@ def check_ring_reduce_scatter(cluster, fn, chunk_len: int = 3) -> None:
     """
     n = cluster.world_size
     x = _draw(fresh_seed(), n, n, chunk_len)  # x[rank, chunk]: drawn this run
-    res = run_answer(cluster, _phase_worker, fn, x, what="ring steps")
+    res = run_answer(cluster, _phase_worker, fn, x, what="ring steps", timeout=timeout)
     if res is None:
         return
     _honest(res, "a ring reduce-scatter")
@@ -149,7 +151,8 @@ def _which_sum(got, column, n: int) -> str:
 # ---------------------------------------------------------------- all-gather
 
 
-def check_ring_all_gather(cluster, fn, chunk_len: int = 3) -> None:
+def check_ring_all_gather(cluster, fn, chunk_len: int = 3, *,
+                          timeout: float = SHORT_TIMEOUT) -> None:
     """Check a student's ring all-gather phase.
 
     `fn(rank, world_size, chunks)` gets this rank's n chunks: chunks[(rank+1) % n]
@@ -162,7 +165,8 @@ def check_ring_all_gather(cluster, fn, chunk_len: int = 3) -> None:
     start = stale.clone()
     for r in range(n):  # as the reduce-scatter leaves it: (r+1) % n complete
         start[r, (r + 1) % n] = complete[(r + 1) % n]
-    res = run_answer(cluster, _phase_worker, fn, start, what="all-gather steps")
+    res = run_answer(cluster, _phase_worker, fn, start, what="all-gather steps",
+                     timeout=timeout)
     if res is None:
         return
     _honest(res, "a ring all-gather")

@@ -335,7 +335,7 @@ def _dp_slips(stage: int, tp: int, pp: int, dp: int, cfg: dict) -> list:
     return [(v, why) for v, why in filter(None, out)]
 
 
-def check_dp_bytes(cluster, fn) -> bool:
+def check_dp_bytes(cluster, fn, *, timeout: float = _TIMEOUT) -> bool:
     """`fn(stage, tp, pp, dp, cfg)`: the bytes one rank of pipeline stage `stage`
     sends in its data-parallel group in one step (a ring all-reduce of its fp32
     gradient shard) of ThreeD(TinyGPT(**cfg)) on a tp x pp x dp grid. Two grids
@@ -365,7 +365,7 @@ def check_dp_bytes(cluster, fn) -> bool:
     seed = fresh_seed()
     for (tp, pp, dp), cfg, m, rows in measured:
         res = run_answer(cluster, _dp_worker, (tp, pp, dp), cfg, m, rows, seed,
-                         what="3D step", timeout=_TIMEOUT)
+                         what="3D step", timeout=timeout)
         for rank, (stage, sent, params) in enumerate(res):
             want = _dp_bytes(_stage_params(stage, tp, pp, cfg), dp)
             if params != _stage_params(stage, tp, pp, cfg) or not _close(sent, want):

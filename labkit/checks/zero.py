@@ -13,6 +13,7 @@ from labkit.checks.common import (
     NOT_WRITTEN,
     NOT_YET,
     PASSED,
+    SHORT_TIMEOUT,
     ExerciseError,
     call_answer,
     finite,
@@ -134,7 +135,8 @@ def _zero1_momentum_error(where, rank, i, s, n, got, want, prev, grads, mean):
         + (f"; it was updated with {why}" if why else ""))
 
 
-def check_zero1_step(cluster, fn, numel: int = 1021, steps: int = 2) -> bool:
+def check_zero1_step(cluster, fn, numel: int = 1021, steps: int = 2, *,
+                     timeout: float = SHORT_TIMEOUT) -> bool:
     """Check a student's ZeRO-1 step on flat tensors.
 
     `fn(rank, world_size, a, e, sgd)`: a (N*s,) the parameters, the same on every
@@ -150,7 +152,7 @@ def check_zero1_step(cluster, fn, numel: int = 1021, steps: int = 2) -> bool:
     n = cluster.world_size
     seed = fresh_seed()
     res = run_answer(cluster, _zero1_worker, fn, numel, steps, seed,
-                     what="reduce-scatter, update and all-gather")
+                     what="reduce-scatter, update and all-gather", timeout=timeout)
     if res is None:
         return NOT_YET
     for rank, (_, own) in enumerate(res):
