@@ -23,11 +23,15 @@ install: $(STAMP)
 # (a constraints file: a package a platform needs that the lock lacks, such as
 # macOS's appnope, still installs). `make lock` refreshes it.
 LOCK   := requirements.lock
+# pip byte-compiles what it installs one file at a time; compileall does the same
+# on every core (a file that does not compile, such as torch's Python 3.12 test
+# file, is left as pip leaves it: hence the || true).
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c $(LOCK) pip
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -c $(LOCK) -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-compile "$(TORCH)"
+	$(BIN)/python -m pip install --quiet --no-compile -c $(LOCK) -e ".[dev]"
+	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $(STAMP)
 
 # The newest releases pyproject's ranges allow, as a plain `pip install` gives
