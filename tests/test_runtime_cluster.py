@@ -449,7 +449,7 @@ def test_a_successor_forkserver_takes_over_with_more_imported():
 # process's forkserver) would keep a retired forkserver running, as they should
 _RETIRE = """
 import time, labkit
-from labkit.runtime.forkserver import shared
+from labkit.runtime.forkserver import preload_when_idle, shared
 
 def alive(pid):
     try:
@@ -466,6 +466,7 @@ def gone_within(pids, seconds):
 
 with labkit.Cluster(2) as c:
     first, old = shared().pid, list(c.pids.values())
+    preload_when_idle("wave")  # asked for after the start: a successor imports it
     assert shared().wait_preloaded(timeout=90), "no hand-over within 90 s"
     assert shared().pid != first, "the successor forks from now on"
     time.sleep(0.5)

@@ -168,6 +168,7 @@ def held_for(handle):  # what the kernel holds for a forkserver handle
 
 with labkit.Cluster(1) as c:
     old = fs.shared()
+    fs.preload_when_idle("wave")  # asked for after the start: a successor
     first, first_sock = old.pid, old._first
     first_held = os.readlink(f"/proc/self/fd/{first_sock.fileno()}")
     assert old.wait_preloaded(timeout=90), "no hand-over within 90 s"

@@ -5,19 +5,21 @@ fork of the multi-threaded kernel) in its own session; it imports torch once, so
 a cluster starts in a fraction of a second after the first. Ranks are its
 children: it reaps them and reports how each ended. It exits when the kernel does.
 
-Ranks forked later also want what a first optimizer step imports
-(PRELOAD_WHEN_IDLE) and what the layers above the runtime import (the memory
-ledger, with DTensor: ~2 s); each such layer names itself with
-`preload_when_idle(...)` when the kernel imports it, and the kernel's handle
-passes the names on (a Preload message), so the runtime names no layer above it.
-The forkserver never imports them itself, since it could not fork while
-importing: once idle (1 s after serving a cluster, 3 s if none came), it forks a
-successor that imports them and then takes over the forking, while the first
-keeps serving until the successor is ready (so a restart after a fault never
-waits for an import). Then the kernel retires the first (Retire): it exits once
-the ranks it forked have (it would otherwise hold its memory, about 100 MiB, for
-as long as the kernel runs). Its successor, orphaned, is the forkserver from
-then on; `pids` names every forkserver process still running.
+Ranks also want what a first optimizer step or dispatch mode imports
+(PRELOAD_WHEN_IDLE: torch._dynamo) and what the layers above the runtime import
+(the memory ledger); each such layer names itself with `preload_when_idle(...)`
+when the kernel imports it, and the kernel's handle passes the names on (a
+Preload message), so the runtime names no layer above it. What was asked for by
+the forkserver's start, it imports before it says ready (each rank of the first
+cluster would otherwise import it on first use, all at once). What is asked for
+later it never imports itself, since it could not fork while importing: once
+idle (1 s after serving a cluster, 3 s if none came), it forks a successor that
+imports it and then takes over the forking, while the first keeps serving until
+the successor is ready (so a restart after a fault never waits for an import).
+Then the kernel retires the first (Retire): it exits once the ranks it forked
+have (it would otherwise hold its memory for as long as the kernel runs). Its
+successor, orphaned, is the forkserver from then on; `pids` names every
+forkserver process still running.
 
 This module is the kernel's side: `Forkserver` is its handle on the process
 (forkserver_process.py), `shared()` the one per kernel.

@@ -1,8 +1,8 @@
 """The forkserver process (forkserver.py is the kernel's handle on it): import
-torch, say ready, fork a rank per request and report how each ended; hand over to
-a successor that has imported what was asked for (Preload) once idle, and exit
-once the kernel says the successor forks (Retire) and the ranks it forked have
-exited."""
+torch and what the kernel asked for at its start (Preload), say ready, fork a rank
+per request and report how each ended; hand over to a successor that has imported
+what was asked for later once idle, and exit once the kernel says the successor
+forks (Retire) and the ranks it forked have exited."""
 
 from __future__ import annotations
 
@@ -41,12 +41,36 @@ def serve(ctrl_fd: int, lifeline_fd: int, kernel_pid: int) -> None:
     gone = tuple(fd for fd in (lifeline_fd, _pidfd_open(kernel_pid)) if fd >= 0)
     if os.getppid() != kernel_pid:  # the kernel died while we imported torch
         return
-    _loop(socket.socket(fileno=ctrl_fd), gone, wanted=())
+    ctrl = socket.socket(fileno=ctrl_fd)
+    wanted = _import_asked_at_start(ctrl)
+    if wanted is not None:  # None: the kernel is gone
+        _loop(ctrl, gone, wanted=wanted)
     # gone or retired: exit now, without tearing torch down (seconds of a process
     # that holds nothing anyone needs), as a successor does
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _import_asked_at_start(ctrl: socket.socket) -> tuple[str, ...] | None:
+    """Import what the kernel asked for when it started this process (its first
+    message, a Preload, waiting by now), before saying ready: nothing can ask for
+    a fork yet. Otherwise every rank of the first cluster imports it on first use,
+    all at once (torch._dynamo, with an optimizer or a dispatch mode: a second of
+    CPU per rank, and memory not shared). Names asked for later go to a successor."""
+    if not select.select([ctrl], [], [], 0)[0]:
+        return ()
+    msg = wire.recv(ctrl)
+    if msg is None:
+        return None
+    if not isinstance(msg, Preload):  # the handle sends a Preload first
+        raise RuntimeError(f"the forkserver's first message: {msg!r}, not Preload")
+    for name in msg.names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass  # never forked with it: ranks import (or fail) on first use
+    return tuple(dict.fromkeys(msg.names))
 
 
 def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...]):
