@@ -25,13 +25,15 @@ install: $(STAMP)
 LOCK   := requirements.lock
 # pip byte-compiles what it installs one file at a time; compileall does the same
 # on every core (a file that does not compile, such as torch's Python 3.12 test
-# file, is left as pip leaves it: hence the || true).
+# file, is left as pip leaves it: hence the || true), and for labkit, which an
+# editable install leaves uncompiled: where PYTHONDONTWRITEBYTECODE is set, every
+# kernel and command would otherwise compile it again on import.
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c $(LOCK) pip
 	$(BIN)/python -m pip install --quiet --no-compile "$(TORCH)"
 	$(BIN)/python -m pip install --quiet --no-compile -c $(LOCK) -e ".[dev]"
-	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
+	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib labkit || true
 	touch $(STAMP)
 
 # The newest releases pyproject's ranges allow, as a plain `pip install` gives
