@@ -55,3 +55,40 @@ def test_alpha_beta_model_and_fit_recovers_its_parameters():
 def test_bad_input_is_a_value_error(call):
     with pytest.raises(ValueError):
         call()
+
+
+# DeepEP's README (deepseek-ai/DeepEP), "Low-latency kernels with pure RDMA": H800s,
+# one CX7 InfiniBand 400 Gb/s NIC each (~50 GB/s), 128 tokens per rank, hidden
+# 7168, top-8 experts, FP8 dispatch and BF16 combine; latency in µs by EP size.
+DEEPEP_LL = {8: (77, 114), 16: (118, 195), 32: (155, 273), 64: (173, 314),
+             128: (192, 369), 256: (194, 360)}
+TOKENS, TOP_K, HIDDEN = 128, 8, 7168
+ROW = {"dispatch": HIDDEN + HIDDEN // 128 * 4,  # FP8, a float32 scale per 128
+       "combine": 2 * HIDDEN}                   # BF16
+
+
+def test_all_to_all_latency_is_one_alpha_held_to_deepep():
+    # an all-to-all's sends go at once: one α, whatever the number of ranks
+    assert [theory.latency_steps("all_to_all", n) for n in (1, 2, 64)] == [0, 1, 1]
+    alpha, beta = 14.0e-6, 50e9  # NCCL's network α; one NIC's line rate
+    for ep, published in DEEPEP_LL.items():
+        for (what, row), t_us in zip(ROW.items(), published):
+            sent = TOKENS * TOP_K * row                       # bytes, every copy
+            rate = sent / (t_us * 1e-6)
+            if ep <= 16:
+                # one or two nodes: more than one NIC could carry, so part of it
+                # stayed in the node (NVLink); the NIC-bound model does not apply
+                assert rate > beta, f"EP {ep} {what}: {rate / 1e9:.0f} GB/s"
+                continue
+            model = theory.alpha_beta_time("all_to_all", sent, ep, alpha, beta)
+            # DeepEP's own bandwidth column puts its NICs at 78-96 % of line rate
+            # for EP >= 32: measured / model within [0.85, 1 / 0.75]
+            ratio = t_us * 1e-6 / model
+            assert 0.85 < ratio < 1 / 0.75, (
+                f"EP {ep} {what}: DeepEP {t_us} µs, the α-β all-to-all "
+                f"{model * 1e6:.0f} µs ({ratio:.2f}x); allowed 0.85-1.33x")
+            # priced as a ring's ep-1 steps in turn, it is several times too slow
+            ring = (ep - 1) * alpha + (ep - 1) / ep * sent / beta
+            assert ring > 2.5 * t_us * 1e-6, (
+                f"EP {ep} {what}: {ep - 1} sequential α give {ring * 1e6:.0f} µs "
+                f"against DeepEP's {t_us} µs")

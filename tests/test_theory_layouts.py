@@ -130,17 +130,16 @@ def test_dualpipe_hides_ep_and_keeps_two_copies():
     c, dual = M["deepseek-v3"], run.estimate()
     plain = estimate(c, dataclasses.replace(run.layout, dualpipe=False), run.cluster,
                      run.global_batch_tokens, run.seq)
-    # DualPipe overlaps EP and PP with compute: only what exceeds compute shows,
-    # each keeping its share of it
+    # DualPipe overlaps EP and PP with compute: only what exceeds compute shows.
+    # DeepSeek-V3's EP and PP fit inside its compute: "both all-to-all and PP
+    # communication can be fully hidden" (sec. 3.2.1), and so they are here
     left = plain.time["ep"] + plain.time["pp"] - dual.time["compute"]
-    assert dual.time["ep"] + dual.time["pp"] == pytest.approx(left)
-    assert dual.time["ep"] / dual.time["pp"] == pytest.approx(
-        plain.time["ep"] / plain.time["pp"])
-    assert dual.time["ep"] < 0.05 * plain.time["ep"]
+    assert left < 0 and dual.time["ep"] == dual.time["pp"] == 0, (
+        f"EP + PP exceed compute by {left:.3f} s; DualPipe hides them fully")
     # bytes over the network, plus α: 4 all-to-alls per MoE layer (ceil(58 / 16) =
-    # 4 per stage) per micro-batch (120), each 63 ring steps of which 7 cross
-    # between the 8 nodes: 56 x 3.4 us + 7 x 14 us
-    alpha = 4 * 4 * 120 * (56 * 3.4e-6 + 7 * 14e-6)
+    # 4 per stage) per micro-batch (120), each one α across nodes (its sends go
+    # at once), 14 us
+    alpha = 4 * 4 * 120 * 14e-6
     assert plain.time["ep"] == pytest.approx(plain.traffic["ep"] / 50e9 + alpha)
     # node-limited routing: 4 copies of each token cross the network, not 8
     # (dispatch and combine, forward and backward; 4096 tokens x 7168 x bf16)
@@ -242,7 +241,9 @@ def test_dualpipe_leaves_a_dense_model_no_all_to_all_time():
     duals = [r for r in ranked if r.layout.dualpipe]
     assert duals and all(r.estimate.time["ep"] == 0 for r in duals)
     assert any(r.estimate.time["pp"] > 0 for r in duals)
-    e = PUBLISHED_RUNS["deepseek-v3"].estimate()  # MoE: both keep their share
+    run = PUBLISHED_RUNS["deepseek-v3"]  # MoE: all-to-all time, where not hidden
+    e = estimate(M["deepseek-v3"], dataclasses.replace(run.layout, dualpipe=False),
+                 run.cluster, run.global_batch_tokens, run.seq)
     assert e.time["ep"] > e.time["pp"] > 0
 
 

@@ -23,12 +23,16 @@ _FACTORS = {op: f for op, f in BUS_FACTOR.items()
 # Steps (message latencies) of the ring algorithms (Thakur, Rabenseifner & Gropp
 # 2005, "Optimization of Collective Communication Operations in MPICH", sec. 4):
 # ring all-gather takes n-1 steps; ring all-reduce is a reduce-scatter then an
-# all-gather, 2(n-1) steps; a pipelined chain broadcast n-1 steps.
+# all-gather, 2(n-1) steps; a pipelined chain broadcast n-1 steps. An all-to-all
+# is no ring: its n-1 sends go out at once (NCCL groups them, DeepEP's kernels
+# likewise), so it waits one message latency, not n-1 in turn (MPICH's pairwise
+# exchange, Thakur et al. sec. 4.5, is the sequential alternative). Held to
+# DeepEP's published dispatch and combine latencies in the tests.
 _STEPS = {
     "all_reduce": lambda n: 2 * (n - 1),
     "all_gather": lambda n: n - 1,
     "reduce_scatter": lambda n: n - 1,
-    "all_to_all": lambda n: n - 1,
+    "all_to_all": lambda n: min(1, n - 1),
     "scatter": lambda n: n - 1,
     "gather": lambda n: n - 1,
     "broadcast": lambda n: n - 1,
@@ -58,13 +62,15 @@ def ring_bytes_per_rank(op: str, size: float, n: int) -> float:
 
 
 def latency_steps(op: str, n: int) -> int:
-    """Sequential message steps of the ring algorithm (2(n-1) for all-reduce)."""
+    """Message latencies one after another: a ring's steps (2(n-1) for
+    all-reduce, n-1 for all-gather); 1 for an all-to-all, whose sends go at once."""
     return _STEPS[_check_op(op)](check_n(n))
 
 
 def alpha_beta_time(op: str, size: float, n: int, alpha: float, beta: float) -> float:
-    """The α-β (latency-bandwidth) model of a ring collective:
-    t = steps * α + bytes_per_rank / β  (Thakur et al. 2005, sec. 2; β in bytes/s)."""
+    """The α-β (latency-bandwidth) model of a collective (a ring, or an
+    all-to-all's concurrent sends): t = latency_steps * α + bytes_per_rank / β
+    (Thakur et al. 2005, sec. 2; β in bytes/s)."""
     if alpha < 0 or beta <= 0:
         raise ValueError(f"need alpha >= 0 s and beta > 0 bytes/s, got {alpha}, {beta}")
     return latency_steps(op, n) * alpha + ring_bytes_per_rank(op, size, n) / beta
