@@ -141,10 +141,11 @@ def test_dualpipe_hides_ep_and_keeps_two_copies():
     # at once), 14 us
     alpha = 4 * 4 * 120 * 14e-6
     assert plain.time["ep"] == pytest.approx(plain.traffic["ep"] / 50e9 + alpha)
-    # node-limited routing: 4 copies of each token cross the network, not 8
+    # node-limited routing: one copy of each token to each of its 4 nodes, not 8
+    # copies, 7 in 8 of them another of the group's 8 nodes: 3.5 cross the network
     # (dispatch and combine, forward and backward; 4096 tokens x 7168 x bf16)
     assert plain.traffic["ep"] == pytest.approx(
-        2 * 2 * 63 / 64 * 4096 * 4 * 7168 * 2 * 4 * 120)
+        2 * 2 * 4 * 7 / 8 * 4096 * 7168 * 2 * 4 * 120)
     assert dual.memory["Parameter"] == pytest.approx(2 * plain.memory["Parameter"])
     assert dual.step_time < plain.step_time
 

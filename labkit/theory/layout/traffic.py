@@ -6,7 +6,7 @@ from __future__ import annotations
 from labkit.theory.collective_cost import ring_bytes_per_rank
 from labkit.theory.layout.cluster import ClusterSpec
 from labkit.theory.layout.counts import params_per_device
-from labkit.theory.layout.layout import DIMS, Layout, StepShape
+from labkit.theory.layout.layout import DIMS, Layout, StepShape, group_nodes
 from labkit.theory.models import ModelConfig
 from labkit.theory.tensor_parallel import layer_traffic
 from labkit.theory.zero import zero_traffic
@@ -79,14 +79,18 @@ def _cp_layer_bytes(model: ModelConfig, layout: Layout, shape: StepShape,
 def _ep_layer_bytes(model: ModelConfig, layout: Layout, cluster: ClusterSpec,
                     shape: StepShape, dtype_bytes: int) -> float:
     """EP's dispatch and combine all-to-alls of the routed tokens, forward and
-    backward; a token's copies are capped by node-limited routing where the
-    EP group spans nodes."""
+    backward. Inside a node: a row per (token, expert) pair, (ep-1)/ep of them to
+    another GPU. Where the EP group spans nodes, the bytes on the network: a
+    token's copies (capped by node-limited routing, one per node, forwarded
+    inside it), of which (nodes-1)/nodes go to another node when routing spreads
+    them evenly, the token's own node as likely as any."""
+    row = shape.microbatch * shape.local_seq * model.hidden * dtype_bytes / layout.tp
     copies = model.experts_per_token
-    if layout.ep * layout.tp * layout.cp > cluster.gpus_per_node:  # spans nodes
-        copies = min(copies, NODE_LIMITED_ROUTING.get(model.name, copies))
-    routed = (shape.microbatch * shape.local_seq * copies * model.hidden
-              * dtype_bytes / layout.tp)
-    return 2 * 2 * ring_bytes_per_rank("all_to_all", routed, layout.ep)
+    nodes = group_nodes(layout, cluster.gpus_per_node)["ep"]
+    if nodes == 1:
+        return 2 * 2 * ring_bytes_per_rank("all_to_all", row * copies, layout.ep)
+    copies = min(copies, NODE_LIMITED_ROUTING.get(model.name, copies))
+    return 2 * 2 * row * copies * (nodes - 1) / nodes
 
 
 def traffic(model: ModelConfig, layout: Layout, cluster: ClusterSpec, shape: StepShape,
