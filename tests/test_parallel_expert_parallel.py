@@ -134,11 +134,32 @@ def test_node_limited_choice_lies_in_at_most_m_nodes():
     ({"nodes": 3}, "nodes must divide the experts"),
     ({"nodes": 2, "max_nodes": 3}, "1 <= max_nodes <= nodes"),
     ({"k": 3, "nodes": 2, "max_nodes": 2}, "M must divide k"),
+    ({"k": 1, "normalize": True}, r"one gate normalised is always 1"),
 ])
 def test_router_refuses_what_it_cannot_route(kw, match):
     args = {"k": 2} | kw
     with pytest.raises(ValueError, match=match):
         Router(H, E, **args)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_gate_learns_from_the_output_with_its_default_gates(k):
+    # top-k is not differentiable: the gate's gradient comes through the gates
+    # alone. k = 1 keeps the probability (Switch), k > 1 normalises the chosen
+    # (Mixtral); normalising one gate would leave it 1 and the gradient 0
+    router, x = Router(H, E, k), _randn((T, H), 1)
+    assert router.normalize == (k > 1)
+    routing = router(x)
+    (routing.gates * _randn(tuple(routing.gates.shape), 2)).sum().backward()
+    norm = router.gate.weight.grad.norm().item()
+    assert norm > 1e-3, f"k = {k}: the gate's gradient norm is {norm:.2e}"
+    forced = Router(H, E, 1, normalize=False)
+    forced.normalize = True  # what the constructor refuses, to show why
+    forced(x).gates.sum().backward()
+    left = forced.gate.weight.grad.norm().item()  # p/p: 0 up to rounding
+    assert left < 1e-5 * max(norm, 1.0), (
+        f"one normalised gate: gradient norm {left:.2e}, against {norm:.2e} with "
+        f"k = {k}'s own gates; rounding only (< 1e-5 of it) expected")
 
 
 def test_forced_routing_must_be_one_row_of_k_experts_per_token():

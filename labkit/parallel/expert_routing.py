@@ -11,9 +11,11 @@ with `normalize=True` takes the top k of the softmax and rescales their k
 probabilities to sum to 1, which is Mixtral's Softmax(TopK(x W_g)) (Jiang et al.
 2024, sec. 2.1) and GShard's top-2 (Lepikhin et al. 2020, Algorithm 1); Switch's
 top-1 keeps the probability itself (k=1, `normalize=False`; Fedus et al. 2021,
-sec. 2.1). DeepSeek-V3 scores each expert with a sigmoid and normalises the k
-chosen scores (`score="sigmoid"`, DeepSeek-AI 2024, sec. 2.1.2, eqs. 13-15; its
-code also multiplies the gates by a constant, 2.5, not done here).
+sec. 2.1): normalise one gate and it is 1 whatever the scores, so no gradient
+reaches the router (refused; `normalize` defaults to k > 1). DeepSeek-V3 scores
+each expert with a sigmoid and normalises the k chosen scores (`score="sigmoid"`,
+DeepSeek-AI 2024, sec. 2.1.2, eqs. 13-15; its code also multiplies the gates by a
+constant, 2.5, not done here).
 
 Balance. Switch's auxiliary loss α·E·Σ f_i·P_i (Fedus et al. 2021, eq. 4) pulls
 the router's probabilities towards the experts that get few tokens; DeepSeek-V3
@@ -57,12 +59,14 @@ class Router(nn.Module):
     nodes, max_nodes: node-limited routing; the E experts are `nodes` contiguous
     groups (the experts of one node each) and a token's k experts lie in at most
     `max_nodes` of them. `bias` (a buffer, not a parameter: no gradient) is
-    DeepSeek-V3's balancing bias, added to the scores to choose only."""
+    DeepSeek-V3's balancing bias, added to the scores to choose only.
+    normalize: rescale the k chosen gates to sum to 1 (default: when k > 1);
+    refused for k = 1, where it makes every gate 1 and the router unlearnable."""
 
     SCORES = ("softmax", "sigmoid")
 
     def __init__(self, hidden: int, experts: int, k: int, *, score: str = "softmax",
-                 normalize: bool = True, nodes: int = 1,
+                 normalize: bool | None = None, nodes: int = 1,
                  max_nodes: int | None = None):
         super().__init__()
         for name, v in (("hidden", hidden), ("experts", experts), ("k", k),
@@ -81,7 +85,15 @@ class Router(nn.Module):
             raise ValueError(f"node-limited routing ranks nodes by their k/M = "
                              f"{k}/{max_nodes} best experts: M must divide k and "
                              f"k/M be at most the {experts // nodes} per node")
-        self.k, self.score, self.normalize = k, score, normalize
+        if normalize is None:
+            normalize = k > 1
+        if normalize and k == 1:
+            raise ValueError(
+                "Router(k=1, normalize=True): one gate normalised is always 1, "
+                "whatever the scores, so the router's gate gets no gradient and "
+                "never learns which expert suits a token; Switch's top-1 keeps the "
+                "probability as its gate (normalize=False, the default for k=1)")
+        self.k, self.score, self.normalize = k, score, bool(normalize)
         self.nodes, self.max_nodes = nodes, max_nodes
         self.gate = nn.Linear(hidden, experts, bias=False)
         self.register_buffer("bias", torch.zeros(experts))
