@@ -111,13 +111,15 @@ class ExpertMemory:
 def expert_memory(model: ModelConfig | str, ep: int, dtype_bytes: int = 2,
                   pp: int = 1) -> ExpertMemory:
     """The routed experts' parameters over ep ranks (and pp stages): each rank
-    holds E/ep whole experts of each MoE layer of its stage; the shared experts
-    and the rest are dense, whole on every rank of the group."""
+    holds E/ep whole experts of each MoE layer of its stage, the busiest stage's
+    ceil(MoE layers / pp) layers, as the layout calculator counts them; the
+    shared experts and the rest are dense, whole on every rank of the group."""
     m = MODELS[model] if isinstance(model, str) else model
     check_counts(ep=ep, pp=pp, dtype_bytes=dtype_bytes)
     if not m.experts or m.experts % ep:
         raise ValueError(f"EP {ep} must divide {m.name}'s {m.experts} routed experts")
-    params = expert_params(m) / (ep * pp)
+    moe_layers = m.layers - m.dense_layers
+    params = expert_params(m) / moe_layers * -(-moe_layers // pp) / ep
     return ExpertMemory(m.experts // ep, params, params * dtype_bytes)
 
 
