@@ -24,8 +24,8 @@ from labkit.theory import (
     scale,
 )
 from labkit.units import percent, seconds, si_bytes
-from labkit.viz.style import _axes
-from labkit.viz.widgets import _show
+from labkit.viz.style import figure_and_axes
+from labkit.viz.widgets import show_output
 
 TIME_COLORS = {"compute": "#4c72b0", "tp": "#dd8452", "cp": "#937860",
                "pp": "#8172b3", "dp": "#55a868", "ep": "#c44e52",
@@ -54,7 +54,7 @@ def step_time_bars(ranked, *, published=None, top: int = 5) -> Figure:
     mine = find(ranked, published) if published is not None else None
     if mine is not None and mine not in rows:
         rows.append(mine)
-    fig, ax = _axes(None, (2.0 + 1.5 * max(len(rows), 1), 4.0))
+    fig, ax = figure_and_axes(None, (2.0 + 1.5 * max(len(rows), 1), 4.0))
     bottom = [0.0] * len(rows)
     for part, color in TIME_COLORS.items():
         h = [r.estimate.time[part] for r in rows]
@@ -92,7 +92,7 @@ def gemm_roofline(cluster: ClusterSpec, gemms: dict, *, title: str = "") -> Figu
            for name, (m, n, k) in gemms.items()}
     xs = [x for x, _ in pts.values()] + [ridge]
     lo, hi = min(xs) / 4, max(xs) * 4
-    fig, ax = _axes(None, (7.5, 4.0))
+    fig, ax = figure_and_axes(None, (7.5, 4.0))
     grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
     ax.plot(grid, [min(peak, x * cluster.hbm_bw) / 1e12 for x in grid],
             color="#333333", label=f"roof: min({peak / 1e12:.0f} TFLOPS, "
@@ -226,7 +226,7 @@ class StrategyChooser(W.VBox):
             self.info.value = html.escape(head)
         self.table.value = _table(ranked[:self.rows])
         self.figure = step_time_bars(ranked, published=published)
-        _show(self.out, self.figure)
+        show_output(self.out, self.figure)
 
 
 _CELL = "padding:2px 8px;text-align:left;vertical-align:top"

@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from labkit.units import MiB
-from labkit.viz.style import _axes, _per_rank, _records
+from labkit.viz.style import figure_and_axes, by_rank, records_of
 
 RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860",
                "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD"]
@@ -196,7 +196,7 @@ def ring_grid(step, *, ax=None, legend: bool = True) -> Figure:
     chunk columns; a cell lists the ranks whose values it sums (for n > 6, how
     many), darker = more. Outlined cells are the ones sent during this step."""
     n = len(step.holds)
-    fig, ax = _axes(ax, (0.75 * n + 1.6, 0.6 * n + 2.0))
+    fig, ax = figure_and_axes(ax, (0.75 * n + 1.6, 0.6 * n + 2.0))
     size = FONT if n <= 6 else FONT - 2
     _ring_cells(ax, step, 0, 0, "ring:", size)
     for r in range(n):
@@ -278,11 +278,11 @@ def traffic_by_collective(ledgers, *, ax=None, unit: float = MiB,
     """One group of bars per collective, one bar per rank (coloured by rank): the
     bytes it wrote to its sockets. A black line across each group marks nccl-tests'
     bus bytes for that call, S × factor. ledgers: rank -> TrafficLedger."""
-    ranks = {r: _records(v) for r, v in _per_rank(ledgers).items()}
+    ranks = {r: records_of(v) for r, v in by_rank(ledgers).items()}
     ops: list[str] = []
     for recs in ranks.values():
         ops += [rec.op for rec in recs if rec.op not in ops]
-    fig, ax = _axes(ax, (1.8 + 1.0 * len(ops), 3.8))
+    fig, ax = figure_and_axes(ax, (1.8 + 1.0 * len(ops), 3.8))
     n = len(ranks)
     width = 0.8 / max(1, n)
     for k, (r, recs) in enumerate(ranks.items()):

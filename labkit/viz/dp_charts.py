@@ -8,7 +8,13 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from labkit.units import MiB
-from labkit.viz.style import COMPUTE_COLOR, OP_COLORS, LabFigure, _axes, _per_rank
+from labkit.viz.style import (
+    COMPUTE_COLOR,
+    OP_COLORS,
+    LabFigure,
+    figure_and_axes,
+    by_rank,
+)
 
 SCHEME_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860")
 
@@ -22,16 +28,16 @@ def dp_traffic(measured, expected=None, *, ax=None, unit: float = MiB,
     measured: scheme -> per-rank bytes (a list indexed by rank, or a dict).
     expected: scheme -> per-rank bytes, the closed form (same shape), optional.
     """
-    schemes = {name: _per_rank(v) for name, v in measured.items()}
+    schemes = {name: by_rank(v) for name, v in measured.items()}
     ranks = sorted({r for v in schemes.values() for r in v})
-    fig, ax = _axes(ax, (2.0 + 1.0 * len(ranks), 3.6))
+    fig, ax = figure_and_axes(ax, (2.0 + 1.0 * len(ranks), 3.6))
     width = 0.8 / max(1, len(schemes))
     for i, (name, per_rank) in enumerate(schemes.items()):
         xs = [k - 0.4 + (i + 0.5) * width for k in range(len(ranks))]
         ax.bar(xs, [per_rank.get(r, 0) / unit for r in ranks], width * 0.9,
                color=SCHEME_COLORS[i % len(SCHEME_COLORS)], label=f"{name} (wire)")
         if expected is not None and name in expected:
-            exp = _per_rank(expected[name])
+            exp = by_rank(expected[name])
             for x, r in zip(xs, ranks):
                 if exp.get(r) is not None:
                     ax.hlines(exp[r] / unit, x - width / 2, x + width / 2,
@@ -94,11 +100,11 @@ def dp_timeline(events, *, ax=None, title: str = "", origin: float | None = None
     # here, not at the top: labkit.parallel imports torch, which viz otherwise need not
     from labkit.ledger import overlap_fraction
 
-    ranks = _per_rank(events)
+    ranks = by_rank(events)
     spans = [s for v in ranks.values() for s in v]
     if origin is None:
         origin = min((s.start for s in spans), default=0.0)
-    fig, ax = _axes(ax, (8, 0.9 + 0.8 * len(ranks)))
+    fig, ax = figure_and_axes(ax, (8, 0.9 + 0.8 * len(ranks)))
     seen: list[str] = []
     extent = 1e3 * (max((s.end for s in spans), default=origin) - origin)
     for lane, evs in enumerate(ranks.values()):
@@ -145,7 +151,7 @@ def dp_timelines(schemes, *, title: str = "One training step, rank by rank",
     (each panel starts at its own first span); the legend on the top panel.
     labels, min_width, share_label: as dp_timeline's. tick_labels: number the time
     axis under every panel, not only the lowest."""
-    n_ranks = max((len(_per_rank(v)) for v in schemes.values()), default=1)
+    n_ranks = max((len(by_rank(v)) for v in schemes.values()), default=1)
     fig = LabFigure(figsize=(9, (0.7 + 0.6 * n_ranks) * len(schemes)),
                     layout="constrained")
     axes = fig.subplots(len(schemes), 1, sharex=True, squeeze=False)[:, 0]

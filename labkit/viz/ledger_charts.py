@@ -14,9 +14,9 @@ from labkit.viz.style import (
     CATEGORY_COLORS,
     COMPUTE_COLOR,
     OP_COLORS,
-    _axes,
-    _per_rank,
-    _records,
+    figure_and_axes,
+    by_rank,
+    records_of,
 )
 
 
@@ -32,9 +32,9 @@ def memory_by_rank(per_rank, expected=None, *, ax=None, unit: float = MiB,
     part -> colour, for parts that are not the ledger's categories (e.g. one
     category split in two); the categories keep theirs unless named here.
     """
-    ranks = _per_rank(per_rank)
+    ranks = by_rank(per_rank)
     ranks = {r: getattr(v, "current", v) for r, v in ranks.items()}
-    fig, ax = _axes(ax, (1.2 + 0.9 * len(ranks), 3.6))
+    fig, ax = figure_and_axes(ax, (1.2 + 0.9 * len(ranks), 3.6))
     cats = [c for c in CATEGORY_COLORS if any(v.get(c, 0) for v in ranks.values())]
     cats += sorted({c for v in ranks.values() for c in v} - set(CATEGORY_COLORS)
                    - {"Total"})
@@ -46,7 +46,7 @@ def memory_by_rank(per_rank, expected=None, *, ax=None, unit: float = MiB,
                color=(colors or {}).get(cat, CATEGORY_COLORS.get(cat)))
         bottom = [b + h for b, h in zip(bottom, heights)]
     if expected is not None:
-        exp = _per_rank(expected) if isinstance(expected, (Mapping, Sequence)) else {
+        exp = by_rank(expected) if isinstance(expected, (Mapping, Sequence)) else {
             r: expected for r in ranks}
         for x, r in zip(xs, ranks):
             if exp.get(r) is not None:
@@ -73,10 +73,10 @@ def traffic_by_rank(ledgers, *, ax=None, unit: float = MiB, unit_name: str = "Mi
                     title: str = "Bytes sent by rank, per collective") -> Figure:
     """Per rank and op: bytes measured on the wire (solid) next to the bus-bytes
     model (hatched). ledgers: rank -> TrafficLedger or list of records."""
-    ranks = {r: _records(v) for r, v in _per_rank(ledgers).items()}
+    ranks = {r: records_of(v) for r, v in by_rank(ledgers).items()}
     ops = sorted({rec.op for recs in ranks.values() for rec in recs},
                  key=lambda o: list(OP_COLORS).index(o) if o in OP_COLORS else 99)
-    fig, ax = _axes(ax, (1.5 + 1.2 * len(ranks), 3.6))
+    fig, ax = figure_and_axes(ax, (1.5 + 1.2 * len(ranks), 3.6))
     width = 0.8 / max(1, 2 * len(ops))
     for i, op in enumerate(ops):
         wire, model = [], []
@@ -109,14 +109,14 @@ def timeline_by_rank(ledgers, *, ax=None,
                      ) -> Figure:
     """One lane per rank: compute (grey) and each collective (coloured) as spans,
     from the ledgers' own clocks (CLOCK_MONOTONIC, shared by the ranks)."""
-    ranks = _per_rank(ledgers)
+    ranks = by_rank(ledgers)
     starts = [getattr(v, "start", None) for v in ranks.values()]
-    recs_all = [rec for v in ranks.values() for rec in _records(v)]
+    recs_all = [rec for v in ranks.values() for rec in records_of(v)]
     origin = min([s for s in starts if s] + [rec.start for rec in recs_all] or [0.0])
-    fig, ax = _axes(ax, (8, 0.8 + 0.6 * len(ranks)))
+    fig, ax = figure_and_axes(ax, (8, 0.8 + 0.6 * len(ranks)))
     seen = set()
     for lane, v in enumerate(ranks.values()):
-        recs = sorted(_records(v), key=lambda rec: rec.start)
+        recs = sorted(records_of(v), key=lambda rec: rec.start)
         t0 = getattr(v, "start", None) or (recs[0].start if recs else origin)
         t1 = getattr(v, "stop", None) or (recs[-1].start + recs[-1].seconds if recs
                                           else t0)

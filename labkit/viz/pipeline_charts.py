@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from labkit.viz.style import OP_COLORS, LabFigure, _axes, _per_rank
+from labkit.viz.style import OP_COLORS, LabFigure, figure_and_axes, by_rank
 
 PIPE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "weights": "#DD8452",
                "send": OP_COLORS["send"], "recv": OP_COLORS["recv"],
@@ -139,7 +139,7 @@ def pipeline_timeline(events, *, ax=None, title: str = "", legend: bool = True
     title gives each stage's bubble."""
     from labkit.parallel import bubble_of_total_by_rank
 
-    ranks = _per_rank(events)
+    ranks = by_rank(events)
     compute = [s for evs in ranks.values() for s in evs if s.kind == "compute"]
     if not compute:
         raise ValueError("no compute spans: nothing ran")
@@ -152,7 +152,7 @@ def pipeline_timeline(events, *, ax=None, title: str = "", legend: bool = True
         comm[rank] = [(ms(s.start), ms(s.end), _span_kind(s)[0])
                       for s in evs if s.kind == "comm" and s.end > origin]
     window = (ms(min(s.start for s in compute)), ms(max(s.end for s in compute)))
-    fig, ax = _axes(ax, (9, 0.9 + 0.75 * len(ranks)))
+    fig, ax = figure_and_axes(ax, (9, 0.9 + 0.75 * len(ranks)))
     _draw(ax, lanes, comm, window, legend=legend)
     bubbles = bubble_of_total_by_rank(list(ranks.values()))
     head = f"{title}: " if title else ""
@@ -166,7 +166,7 @@ def pipeline_timeline(events, *, ax=None, title: str = "", legend: bool = True
 def pipeline_timelines(runs: dict, *, title: str = "") -> Figure:
     """pipeline_timeline for each run (name -> rank -> spans), stacked, on one
     time axis (each panel from its own first pass); the legend on the top one."""
-    n = sum(len(_per_rank(v)) for v in runs.values())
+    n = sum(len(by_rank(v)) for v in runs.values())
     fig = LabFigure(figsize=(10, 0.9 * len(runs) + 0.5 * n), layout="constrained")
     axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False)[:, 0]
     lims = []
@@ -190,7 +190,7 @@ def schedule_timeline(sim, *, ax=None, title: str = "", legend: bool | str = Tru
     the axes (True), "below" them (the lanes get the page's width) or False."""
     lanes = {r: [(o.start, o.end, _KINDS[o.kind], o.microbatch, o.chunk)
                  for o in ops] for r, ops in sorted(sim.ops.items())}
-    fig, ax = _axes(ax, (9, 0.9 + 0.6 * len(lanes)))
+    fig, ax = figure_and_axes(ax, (9, 0.9 + 0.6 * len(lanes)))
     names = ({"backward": "input gradient (B)"} if any(
         o.kind == "W" for ops in sim.ops.values() for o in ops) else None)
     _draw(ax, lanes, {}, (0.0, sim.makespan), v=sim.v, legend=legend, names=names,
@@ -236,7 +236,7 @@ def bubble_vs_m(curves: dict, points: dict | None = None, *, ax=None,
     small step along m) and each a size smaller, so that two values that
     coincide both show; off, every marker sits exactly at its m (on its line)."""
     palette = ("#4C72B0", "#55A868", "#C44E52", "#8172B3", "#DD8452", "#937860")
-    fig, ax = _axes(ax, (6.5, 3.6))
+    fig, ax = figure_and_axes(ax, (6.5, 3.6))
     colors: dict[str, str] = {}
     handles = []
     for i, (name, (ms, ys)) in enumerate(curves.items()):

@@ -10,7 +10,7 @@ from matplotlib.patches import Patch, Rectangle
 
 from labkit.theory import TERM_GROUP
 from labkit.units import MiB
-from labkit.viz.style import _axes
+from labkit.viz.style import figure_and_axes
 
 # groups of table 2's terms: what splits them, and their colours
 GROUPS = {
@@ -38,7 +38,7 @@ def activation_bars(terms, measured=None, extras=None, *, ax=None,
     segment has gid "strategy/group" (or "strategy/extra: label")."""
     terms = dict(terms)
     extras = extras or {}
-    fig, ax = _axes(ax, (2.8 + 1.15 * len(terms), 4.0))
+    fig, ax = figure_and_axes(ax, (2.8 + 1.15 * len(terms), 4.0))
     used = [g for g in GROUPS if any(TERM_GROUP.get(k, "sp") == g for t in
                                      terms.values() for k in t)]
     labels = sorted({lab for e in extras.values() for lab in e})
@@ -95,7 +95,8 @@ def ring_steps_chart(schedule, *, ax=None, title: str = "Ring attention, step by
     blocks = list(schedule)
     steps = sorted({b.step for b in blocks})
     ranks = sorted({b.rank for b in blocks})
-    fig, ax = _axes(ax, (2.6 + 1.0 * len(steps) + 2.6, 0.9 + 0.6 * len(ranks)))
+    fig, ax = figure_and_axes(ax, (2.6 + 1.0 * len(steps) + 2.6,
+                                   0.9 + 0.6 * len(ranks)))
     for b in blocks:
         y = len(ranks) - 1 - ranks.index(b.rank)
         ax.add_patch(Rectangle((steps.index(b.step) + 0.05, y + 0.08), 0.9, 0.84,

@@ -42,14 +42,16 @@ class LabFigure(Figure):
         return buf.getvalue()
 
 
-def _axes(ax, figsize):
+def figure_and_axes(ax, figsize):
+    """(figure, axes) for a chart: the caller's axes and their figure, or a new
+    LabFigure of `figsize` inches with one axes. Every chart takes ax= this way."""
     if ax is not None:
         return ax.figure, ax
     fig = LabFigure(figsize=figsize, layout="constrained")
     return fig, fig.add_subplot()
 
 
-def _per_rank(data) -> dict:
+def by_rank(data) -> dict:
     """rank -> value, ranks in order; named keys ("fp32", ...) keep the caller's."""
     if isinstance(data, Mapping):
         if all(isinstance(k, int) for k in data):
@@ -58,5 +60,6 @@ def _per_rank(data) -> dict:
     return dict(enumerate(data))
 
 
-def _records(ledger) -> list:
+def records_of(ledger) -> list:
+    """A ledger's records as a list (a ledger, or its records already)."""
     return list(getattr(ledger, "records", ledger))

@@ -7,7 +7,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from labkit.conventions import MODEL_STATES, STATE_LETTERS
-from labkit.viz.style import CATEGORY_COLORS, _axes
+from labkit.viz.style import CATEGORY_COLORS, figure_and_axes
 
 
 def zero_bars(breakdowns, *, ax=None, unit: float = 1e9, unit_name: str = "GB",
@@ -19,7 +19,7 @@ def zero_bars(breakdowns, *, ax=None, unit: float = 1e9, unit_name: str = "GB",
     drawn as a line where it is within reach of the bars; far above them the
     legend says so instead, so that the y-axis always scales to the bars."""
     labels = list(breakdowns)
-    fig, ax = _axes(ax, (1.5 + 1.3 * len(labels), 3.8))
+    fig, ax = figure_and_axes(ax, (1.5 + 1.3 * len(labels), 3.8))
     bottom = [0.0] * len(labels)
     for part in MODEL_STATES:
         heights = [getattr(breakdowns[k], part.lower()) / unit for k in labels]
@@ -65,7 +65,7 @@ def activation_chart(config, seqs, *, batch: int = 1, ax=None,
 
     c = theory.MODELS[config] if isinstance(config, str) else config
     seqs = list(seqs)
-    fig, ax = _axes(ax, (6.4, 3.8))
+    fig, ax = figure_and_axes(ax, (6.4, 3.8))
     curves = (("attention scores stored", {}, "#C44E52", "-"),
               ("no scores (FlashAttention)", {"attention_scores": False},
                "#4C72B0", "-"),
@@ -92,7 +92,7 @@ def placement_bars(cost, *, ax=None, unit: float = 1e9, unit_name: str = "GB",
                    ) -> Figure:
     """Persistent and peak bytes per training state (labkit.theory.PlacementCost);
     a state of no bytes in either bar is left out of the legend."""
-    fig, ax = _axes(ax, (5.5, 3.6))
+    fig, ax = figure_and_axes(ax, (5.5, 3.6))
     totals = [0.0, 0.0]  # kept, at the peak
     for state in "POGA":  # a state with no bytes in either bar: no colour, no name
         h = [cost.persistent[state] / unit, cost.peak[state] / unit]

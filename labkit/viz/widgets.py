@@ -18,7 +18,7 @@ from labkit.viz.diagrams import ring_grid
 from labkit.viz.theory_charts import placement_bars, zero_bars
 
 
-def _show(out: W.Output, obj) -> None:
+def show_output(out: W.Output, obj) -> None:
     """Make `obj` the one output of `out`, set as widget state in the kernel: no
     display message for a front end to route back into the widget (nbclient's
     Output mimic answers those on the shell socket mid-cell and then misses the
@@ -62,7 +62,7 @@ class RingStepper(W.VBox):
                            f"has sent {self.step.value} {chunks} of M/{n} = "
                            f"{sent:.3g}·M (the whole run: 2(N-1)/N·M = "
                            f"{2 * (n - 1) / n:.3g}·M)")
-        _show(self.out, ring_grid(st))
+        show_output(self.out, ring_grid(st))
 
 
 def ring_stepper(n: int = 4) -> RingStepper:
@@ -169,7 +169,7 @@ class ZeroExplorer(W.VBox):
             f"an {DEVICE_MEMORY / GB:,.0f} GB device (DP: "
             f"{_gb(self.last['DP'].total)} GB), and sends {_gb(traffic)} GB per step.")
         self.figure = zero_bars(self.last, highlight=chosen, capacity=DEVICE_MEMORY)
-        _show(self.out, self.figure)
+        show_output(self.out, self.figure)
 
 
 def zero_explorer(**kw) -> ZeroExplorer:
@@ -248,7 +248,7 @@ class PlacementExplorer(W.VBox):
             f"</b><ul>{problems}</ul>traffic per device per step "
             f"({cost.traffic_total / GB:,.2f} GB):<ul>{rows}</ul>"
             + (f"PCIe to host: {cost.pcie / GB:,.2f} GB per step" if cost.pcie else ""))
-        _show(self.out, placement_bars(cost))
+        show_output(self.out, placement_bars(cost))
 
 
 def placement_explorer(**kw) -> PlacementExplorer:

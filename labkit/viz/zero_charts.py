@@ -8,7 +8,13 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
 from labkit.units import MiB
-from labkit.viz.style import CATEGORY_COLORS, OP_COLORS, LabFigure, _axes, _per_rank
+from labkit.viz.style import (
+    CATEGORY_COLORS,
+    OP_COLORS,
+    LabFigure,
+    figure_and_axes,
+    by_rank,
+)
 
 # The notes' five states of mixed-precision Adam (ZeRO paper, sec. 3.1): A and E
 # are what the model computes with, B, C, D what the optimizer keeps (K = 12).
@@ -38,13 +44,13 @@ def steward_grid(holds, *, states=None, names=None, ax=None, title: str = "",
     states: the strips, in order (default: every state met, A-E first).
     names: state -> legend label (default STATE_NAMES). Each strip rectangle has
     gid "rank/layer/state", so a test can find it."""
-    ranks = _per_rank(holds)
+    ranks = by_rank(holds)
     layers = list(dict.fromkeys(lay for r in ranks.values() for lay in r))
     met = {s for r in ranks.values() for cell in r.values() for s in cell}
     states = list(states or [s for s in STATE_COLORS if s in met]
                   + sorted(met - set(STATE_COLORS)))
     names = {**STATE_NAMES, **(names or {})}
-    fig, ax = _axes(ax, (1.6 + 1.25 * len(layers) + (2.6 if legend else 0),
+    fig, ax = figure_and_axes(ax, (1.6 + 1.25 * len(layers) + (2.6 if legend else 0),
                          0.9 + 0.85 * len(ranks)))
     k, w = len(states), 0.9 / max(1, len(states))
     for row, (rank, cells) in enumerate(ranks.items()):
@@ -92,14 +98,14 @@ def steward_grids(panels, *, states=None, names=None, rank_label: str = "rank {}
     """Several steward grids, `ncols` to a row (e.g. one per ZeRO stage), one
     legend. panels: panel title -> holds, as for `steward_grid`."""
     panels = dict(panels)
-    met = {s for h in panels.values() for r in _per_rank(h).values()
+    met = {s for h in panels.values() for r in by_rank(h).values()
            for cell in r.values() for s in cell}
     states = list(states or [s for s in STATE_COLORS if s in met]
                   + sorted(met - set(STATE_COLORS)))
     names = {**STATE_NAMES, **(names or {})}
-    n_layers = max(len({lay for r in _per_rank(h).values() for lay in r})
+    n_layers = max(len({lay for r in by_rank(h).values() for lay in r})
                    for h in panels.values())
-    n_ranks = max(len(_per_rank(h)) for h in panels.values())
+    n_ranks = max(len(by_rank(h)) for h in panels.values())
     cols = max(1, min(ncols, len(panels)))
     rows = -(-len(panels) // cols)
     fig = LabFigure(figsize=(cols * (0.9 + 1.0 * n_layers) + 0.3,
@@ -133,13 +139,13 @@ def stage_bars(per_stage, expected=None, *, colors=None, labels=None, ax=None,
     labels: part -> colour / legend label (default: the ledgers' category and
     collective colours, the part's own name). totals: write each bar's total
     above it (so that a bar too small to see still says what it is)."""
-    stages = {k: _per_rank(v) for k, v in dict(per_stage).items()}
+    stages = {k: by_rank(v) for k, v in dict(per_stage).items()}
     palette = {**CATEGORY_COLORS, **OP_COLORS, **(colors or {})}
     labels = labels or {}
     parts = list(dict.fromkeys(p for ranks in stages.values()
                                for d in ranks.values() for p, b in d.items() if b))
     n_bars = sum(len(r) for r in stages.values())
-    fig, ax = _axes(ax, (2.6 + 0.42 * n_bars + 0.4 * len(stages), 3.8))
+    fig, ax = figure_and_axes(ax, (2.6 + 0.42 * n_bars + 0.4 * len(stages), 3.8))
     x, ticks, tick_labels, centres, tops = 0.0, [], [], [], []
     for label, ranks in stages.items():
         xs = [x + i for i in range(len(ranks))]
