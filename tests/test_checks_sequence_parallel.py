@@ -228,13 +228,14 @@ def test_ring_growth_check_names_the_mistake(fn, says):
 
 
 def _cp(s, b, h, heads, kv, n, e, memory, *, gqa=True, forward_only=False,
-        heads_divide=True, fit=True):
+        heads_divide=True, fit=True, ring_chunks=3):
     q = s * b * h * e
     k = q * kv / heads if gqa else q
     sent = {"ring": (3 * n - 2) * 2 * k / n,
             "ulysses": 2 * (2 * q + 2 * k) / n * (n - 1) / n,
             "all-gather": 4 * k * (n - 1) / n}
-    held = {"ring": 4 * k / n, "ulysses": 2 * k / n, "all-gather": 2 * k}
+    held = {"ring": (ring_chunks if n > 2 else 2) * 2 * k / n, "ulysses": 2 * k / n,
+            "all-gather": 2 * k}
     runs = {"ring": True, "all-gather": True,
             "ulysses": heads % n == 0 and kv % n == 0 or not heads_divide}
     ok = [m for m in sent if runs[m] and (held[m] <= memory or not fit)]
@@ -261,6 +262,8 @@ def test_cp_choice_check_passes_and_waits(capsys):
                               r"query heads and the 8 KV heads"),
     ({"fit": False}, r"you chose all-gather, expected (ring|ulysses): the "
                      r"all-gather holds the whole sequence's K and V"),
+    ({"ring_chunks": 2}, r"you chose ring, expected ulysses: the ring holds "
+                         r"12,582,912 B .* the one arriving"),
 ])
 def test_cp_choice_check_names_the_mistake(kw, says):
     with pytest.raises(ExerciseError, match=says):

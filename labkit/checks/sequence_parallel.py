@@ -449,7 +449,10 @@ def check_ring_growth(fn) -> bool:
 # 32 query heads with 8 KV heads on 16 ranks, where Ulysses would send least
 CP_CASES = ((131072, 1, 2048, 16, 1, 16, 2, 2**30),
             (8192, 1, 4096, 32, 32, 8, 2, 2**30),
-            (32768, 1, 4096, 32, 8, 16, 2, 2**30))
+            (32768, 1, 4096, 32, 8, 16, 2, 2**30),
+            # 64 heads, 4 KV heads on 4 ranks, 10 MiB: the ring's three chunks
+            # (12 MiB) do not fit, two would; Ulysses (2 MiB) does
+            (8192, 1, 8192, 64, 4, 4, 2, 10 * 2**20))
 METHODS = ("ring", "ulysses", "all-gather")
 
 
@@ -461,8 +464,9 @@ def _cp_methods(s, b, h, heads, kv_heads, n, e, memory):
     kv = q * Fraction(kv_heads, heads)
     return {
         # n-1 K, V hops forward, 2n-1 (K, V and their gradients) backward; it
-        # holds its own chunk and the one arriving
-        "ring": ((3 * n - 2) * 2 * kv / n, 4 * kv / n, True),
+        # holds its own chunk (kept for backward), the one it computes with and
+        # the one arriving: 3 chunks, 2 on 2 ranks (the one computed with is its own)
+        "ring": ((3 * n - 2) * 2 * kv / n, (3 if n > 2 else 2) * 2 * kv / n, True),
         # q, k, v in and the output back, each (n-1)/n of a rank's 1/n share,
         # and again backward; the whole sequence of kv_heads/n heads
         "ulysses": (2 * (2 * q + 2 * kv) / n * Fraction(n - 1, n), 2 * kv / n,
@@ -536,6 +540,11 @@ def _cp_method_hint(mine, pick, methods, case) -> str:
         return (f"the all-gather holds the whole sequence's K and V, "
                 f"{number_text(float(methods['all-gather'][1]), 'bytes')}, more "
                 f"than the {number_text(memory, 'bytes')} a rank can hold")
+    if mine == "ring" and methods["ring"][1] > memory:
+        return (f"the ring holds {number_text(float(methods['ring'][1]), 'bytes')} "
+                "of K and V at once: its own chunk, kept for backward, the one it "
+                "computes with and the one arriving (two on 2 ranks); more than "
+                f"the {number_text(memory, 'bytes')} a rank can hold")
     if mine == "ring":
         return (f"the ring sends {float(sent['ring'] / sent['all-gather']):.3g}x "
                 "the all-gather's bytes ((3N-2)/(2N-2)); it is the choice only "
