@@ -17,6 +17,8 @@ from labkit.theory.layout import (
     explain,
     find,
     flops_per_token,
+    group_nodes,
+    params_per_device,
     scale,
 )
 
@@ -265,3 +267,61 @@ def test_gpt3_2021_has_no_sequence_parallelism():
     assert any("no sequence parallelism" in r for r in est.reasons)
     ranked = run.choose()
     assert all(not r.layout.sequence_parallel for r in ranked)
+
+
+def test_folded_expert_layout_fields():
+    """MoE parallel folding: the experts' own split, refused where it cannot be."""
+    folded = Layout(tp=4, pp=16, dp=32, ep=64, expert_tp=1)
+    assert (folded.etp, folded.folded, folded.expert_replicas) == (1, True, 2)
+    assert str(folded) == "TP 4 · PP 16 · EP 64 (expert TP 1) · DP 32"
+    classic = Layout(tp=4, pp=16, dp=32, ep=32)
+    assert (classic.etp, classic.folded, classic.expert_replicas) == (4, False, 1)
+    with pytest.raises(ValueError, match="expert TP 3 must divide TP 4"):
+        Layout(tp=4, dp=32, ep=8, expert_tp=3)
+    with pytest.raises(ValueError, match="expert TP 1 x EP 256 must divide TP 4"):
+        Layout(tp=4, dp=32, ep=256, expert_tp=1)
+
+
+def test_folded_layout_holds_deepseek_v3_prefill_unit():
+    """DeepSeek-V3's prefilling unit (DeepSeek-AI 2024, sec. 3.4.1): 4 nodes of 8
+    GPUs, attention TP 4 with DP 8, the MoE part EP 32: each GPU hosts 8 routed
+    experts of a layer ("besides the original 8 experts it hosts"), whole (no TP),
+    and an EP group spans the unit's 4 nodes while attention's TP stays in one."""
+    ds = M["deepseek-v3"]
+    unit = Layout(tp=4, dp=8, ep=32, expert_tp=1)
+    experts_per_gpu = ds.experts // unit.ep
+    assert experts_per_gpu == 8
+    per_expert = 3 * ds.hidden * ds.expert_ffn * (ds.layers - ds.dense_layers)
+    dense, experts = params_per_device(ds, unit)
+    assert experts == experts_per_gpu * per_expert, (experts, per_expert)
+    nodes = group_nodes(unit, 8)
+    assert (nodes["ep"], nodes["tp"], nodes["dp_expert"]) == (4, 1, 1), nodes
+    # the same degrees unfolded split each expert over TP 4 and need 4 x EP
+    assert params_per_device(
+        ds, Layout(tp=4, dp=8, ep=8))[1] == experts
+
+
+def test_folded_equals_classic_where_expert_tp_is_tp():
+    run = PUBLISHED_RUNS["deepseek-v3"]
+    same = dataclasses.replace(run.layout, expert_tp=run.layout.tp)
+    ours, theirs = run.estimate(), estimate(M["deepseek-v3"], same, run.cluster,
+                                            run.global_batch_tokens, run.seq)
+    assert not same.folded and ours.time == theirs.time
+    assert ours.memory == theirs.memory and ours.traffic == theirs.traffic
+
+
+def test_folding_deepseek_v3_under_tp_4_keeps_its_expert_traffic():
+    """Attention TP 4, the experts folded into EP 64 without TP: per GPU the same
+    experts and EP bytes as the published TP 1 layout (each GPU dispatches its
+    sequence-parallel quarter of the tokens, 4 x the micro-batches) and an EP
+    group on the same 8 nodes."""
+    run = PUBLISHED_RUNS["deepseek-v3"]
+    mb = 4 * run.layout.microbatches
+    folded = dataclasses.replace(run.layout, tp=4, dp=32, microbatches=mb,
+                                 expert_tp=1)
+    ds = M["deepseek-v3"]
+    est = estimate(ds, folded, run.cluster, run.global_batch_tokens, run.seq)
+    published = run.estimate()
+    assert est.traffic["ep"] == pytest.approx(published.traffic["ep"], rel=1e-12)
+    assert params_per_device(ds, folded)[1] == params_per_device(ds, run.layout)[1]
+    assert group_nodes(folded, 8)["ep"] == 8

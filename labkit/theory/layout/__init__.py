@@ -28,8 +28,8 @@ from labkit.theory.layout.cluster import (
     LLAMA3_CLUSTER,
     ClusterSpec,
 )
-from labkit.theory.layout.counts import flops_per_token
-from labkit.theory.layout.layout import DIMS, Layout, check_layout
+from labkit.theory.layout.counts import flops_per_token, params_per_device
+from labkit.theory.layout.layout import DIMS, Layout, check_layout, group_nodes
 from labkit.theory.layout.memory import activations_held
 from labkit.theory.layout.published import LLAMA3_LONG_CONTEXT, PUBLISHED_LAYOUTS
 from labkit.theory.layout.ranking import Ranked, choose, explain, find
@@ -44,5 +44,6 @@ __all__ = [
     "ClusterSpec", "Estimate", "Layout", "PublishedRun", "Ranked", "Scale",
     "activations_held", "bubble_of_ideal", "check_layout", "choose",
     "compute_slowdown", "estimate", "explain", "find", "flops_per_token",
-    "gemm_time", "layer_gemms", "ring_latency", "scale",
+    "gemm_time", "group_nodes", "layer_gemms", "params_per_device", "ring_latency",
+    "scale",
 ]

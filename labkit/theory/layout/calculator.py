@@ -36,7 +36,7 @@ def estimate(model: ModelConfig, layout: Layout, cluster: ClusterSpec,
     shape = step_shape(model, layout, cluster, global_batch_tokens, seq)
     at_peak = model_time(model, layout, cluster, shape)
     slowdown = compute_slowdown(model, shape.microbatch_tokens, seq, layout.tp,
-                                layout.ep, cluster)
+                                layout.ep, cluster, layout.etp)
     sent = traffic(model, layout, cluster, shape, dtype_bytes)
     in_node = groups_in_node(layout, cluster.gpus_per_node)
     est = Estimate(layout, memory(model, layout, shape, dtype_bytes), sent,

@@ -24,11 +24,12 @@ def expert_params(model: ModelConfig) -> int:
 
 
 def params_per_device(model: ModelConfig, layout: Layout) -> tuple[float, float]:
-    """(dense, routed-expert) parameters one device holds before ZeRO: all split
-    over TP x PP, the experts also over EP."""
+    """(dense, routed-expert) parameters one device holds before ZeRO: the dense
+    split over TP x PP, the experts over expert TP x PP x EP (expert TP = TP
+    unless the layout is folded)."""
     total, experts = _param_count(model), expert_params(model)
     dense = (total - experts) / (layout.tp * layout.pp)
-    return dense, experts / (layout.tp * layout.pp * layout.ep)
+    return dense, experts / (layout.etp * layout.pp * layout.ep)
 
 
 def flops_per_token(model: ModelConfig, seq: int) -> float:

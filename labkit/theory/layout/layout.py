@@ -25,7 +25,14 @@ class Layout:
     that share one MoE layer's experts are data-parallel ranks for everything
     else (DeepSeek-V3: PP 16 x DP 128 = 2048 GPUs, its EP 64 groups spanning 8
     nodes each lie inside the 128 data-parallel ranks of a stage), so ep must
-    divide dp · cp. zero: the ZeRO stage over the dp · cp ranks (0: plain DP).
+    divide dp · cp, and the routed experts are split over TP like the rest.
+    expert_tp: set below tp for Megatron Core's MoE parallel folding (Liu et al.
+    2025): the experts split over expert_tp ranks only and the EP group drawn
+    from the TP x CP x DP ranks of a stage, attention keeping its TP (DeepSeek-V3
+    serves that way: attention TP 4, experts EP 32 without TP, sec. 3.4.1); ranks
+    then run TP, CP, DP, PP innermost first (Megatron's default order), so an EP
+    group is etp x ep consecutive ranks. zero: the ZeRO stage over the dp · cp
+    ranks (0: plain DP).
     microbatches: per pipeline per step. recompute: "none", "selective", "full".
     interleave: v model chunks per pipeline stage (Narayanan et al. 2021's
     interleaved 1F1B: bubble / v, v times the pipeline sends). dualpipe:
@@ -49,10 +56,16 @@ class Layout:
     interleave: int = 1
     dualpipe: bool = False
     sequence_parallel: bool = True
+    expert_tp: int | None = None  # None: the experts split over TP, as the rest
 
     def __post_init__(self):
         check_counts(**{field: getattr(self, field) for field in (
             "tp", "pp", "dp", "cp", "ep", "microbatches", "interleave")})
+        if self.expert_tp is not None:
+            check_counts(expert_tp=self.expert_tp)
+            if self.tp % self.expert_tp:
+                raise ValueError(f"expert TP {self.expert_tp} must divide TP "
+                                 f"{self.tp}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.recompute not in ("none", "selective", "full"):
@@ -61,7 +74,13 @@ class Layout:
         if self.dualpipe and (self.pp % 2 or self.interleave > 1):
             raise ValueError(f"DualPipe needs an even PP (got {self.pp}) and no "
                              f"interleaving (got {self.interleave})")
-        if (self.dp * self.cp) % self.ep:
+        if self.folded:
+            if (self.tp * self.dp * self.cp) % (self.etp * self.ep):
+                raise ValueError(
+                    f"expert TP {self.etp} x EP {self.ep} must divide TP {self.tp} "
+                    f"x DP {self.dp} x CP {self.cp}: folded, the experts' groups "
+                    "are drawn from a stage's ranks")
+        elif (self.dp * self.cp) % self.ep:
             raise ValueError(f"EP {self.ep} must divide DP {self.dp} x CP {self.cp}: "
                              f"expert parallelism shards experts over data-parallel "
                              f"ranks")
@@ -70,12 +89,29 @@ class Layout:
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
 
+    @property
+    def etp(self) -> int:
+        """The ranks each routed expert is split over (TP unless folded)."""
+        return self.tp if self.expert_tp is None else self.expert_tp
+
+    @property
+    def folded(self) -> bool:
+        """Whether the experts use their own split (expert_tp below TP)."""
+        return self.etp < self.tp
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same expert shard, over which its gradients are
+        reduced (and ZeRO shards its states): TP·DP·CP / (expert TP·EP)."""
+        return max(1, self.tp * self.dp * self.cp // (self.etp * self.ep))
+
     def __str__(self) -> str:
         parts = [f"TP {self.tp}", f"PP {self.pp}"]
         if self.cp > 1:
             parts.append(f"CP {self.cp}")
         if self.ep > 1:
-            parts.append(f"EP {self.ep}")
+            parts.append(f"EP {self.ep}" + (f" (expert TP {self.etp})" if self.folded
+                                            else ""))
         parts.append(f"DP {self.dp}" + (f" (ZeRO-{self.zero})" if self.zero else ""))
         return " · ".join(parts)
 
@@ -167,9 +203,28 @@ def step_shape(model: ModelConfig, layout: Layout, cluster: ClusterSpec,
                      stage_moe_layers=-(-moe_layers // layout.pp))
 
 
+def _folded_spans(layout: Layout, gpus_per_node: int) -> dict[str, tuple[int, int]]:
+    """(stride, size) of each group of a folded layout, ranks numbered TP, CP,
+    DP, PP fastest first: an EP group is every etp-th of etp·ep consecutive
+    ranks, the experts' data-parallel group the stride etp·ep beyond it."""
+    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    return {"tp": (1, tp), "cp": (tp, cp), "dp": (tp, cp * dp),
+            "pp": (tp * cp * dp, layout.pp), "ep": (layout.etp, layout.ep),
+            "dp_expert": (layout.etp * layout.ep, layout.expert_replicas)}
+
+
+def _nodes(stride: int, size: int, gpus_per_node: int) -> int:
+    """Nodes a group of `size` ranks `stride` apart spans."""
+    return max(1, -(-size // min(size, max(1, gpus_per_node // stride))))
+
+
 def groups_in_node(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
     """Whether each dimension's group lies inside one node, ranks numbered with
-    ORDER's first dimension fastest."""
+    ORDER's first dimension fastest (folded: TP, CP, DP, PP)."""
+    if layout.folded:
+        return {dim: _nodes(*span, gpus_per_node) == 1
+                for dim, span in _folded_spans(layout, gpus_per_node).items()
+                if dim in DIMS}
     degree = {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "pp": layout.pp,
               "dp": max(1, layout.dp * layout.cp // layout.ep // layout.cp)}
     inside, span = {}, 1
@@ -185,7 +240,10 @@ def group_nodes(layout: Layout, gpus_per_node: int) -> dict[str, int]:
     fastest (TP, CP, EP, PP, DP). "dp" is the dense data-parallel group (CP x EP
     x the rest of DP, where ZeRO shards), "dp_expert" the experts' (CP x the
     rest). A dimension of stride s puts min(n, gpus_per_node / s) of its n ranks
-    in a node."""
+    in a node. Folded layouts: _folded_spans."""
+    if layout.folded:
+        return {dim: _nodes(*span, gpus_per_node)
+                for dim, span in _folded_spans(layout, gpus_per_node).items()}
     rest = max(1, layout.dp // layout.ep)
     degree = {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "pp": layout.pp,
               "dp": rest}

@@ -37,8 +37,9 @@ def memory(model: ModelConfig, layout: Layout, shape: StepShape,
     """Bytes per device by memory category: Parameter, Gradient, Optstate, Activation.
 
     Mixed-precision Adam (2 + 2 + 12 bytes per parameter, theory.zero),
-    parameters split over TP x PP (experts also over EP), ZeRO over DP x CP (the
-    experts' over DP x CP / EP); DualPipe keeps two copies of the parameters.
+    parameters split over TP x PP (experts over expert TP x PP x EP), ZeRO over
+    DP x CP (the experts' over their replicas, Layout.expert_replicas); DualPipe
+    keeps two copies of the parameters.
     The busiest stage holds ceil(layers / PP) layers and activations_held(layout)
     micro-batches of activations (1F1B min(PP, m), interleaved PP + (PP-1)/v,
     DualPipe PP + 1; Korthikanti et al.'s GPT layer, with sequence parallelism
@@ -49,7 +50,7 @@ def memory(model: ModelConfig, layout: Layout, shape: StepShape,
     replicas = layout.dp * layout.cp
     dense_states = zero_breakdown(dense, replicas, layout.zero,
                                   param_bytes=dtype_bytes, grad_bytes=dtype_bytes)
-    expert_states = zero_breakdown(experts, max(replicas // layout.ep, 1), layout.zero,
+    expert_states = zero_breakdown(experts, layout.expert_replicas, layout.zero,
                                    param_bytes=dtype_bytes, grad_bytes=dtype_bytes)
     sequence_parallel = layout.tp > 1 and layout.sequence_parallel
     terms = activation_terms(shape.local_seq, shape.microbatch, model.hidden,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from labkit.conventions import ACTIVATION
 from labkit.theory.layout.breakdown import Estimate
 from labkit.theory.layout.cluster import ClusterSpec
+from labkit.theory.layout.layout import group_nodes
 from labkit.units import percent, si_bytes
 
 # si_bytes writes kB, MB or GB: a small model's bytes never read 0.0 GB
@@ -31,7 +32,7 @@ def reasons(est: Estimate, cluster: ClusterSpec) -> list[str]:
                    f"{link[inside]}")
     if layout.ep > 1:
         inside = est.in_node["ep"]
-        nodes = max(1, layout.ep * layout.tp * layout.cp // cluster.gpus_per_node)
+        nodes = group_nodes(layout, cluster.gpus_per_node)["ep"]
         hidden = (", hidden under compute by DualPipe" if layout.dualpipe
                   and est.time["ep"] == 0 else "")
         out.append(f"EP {layout.ep} spans {nodes} node{'s' if nodes > 1 else ''}: "

@@ -26,12 +26,17 @@ def gemm_time(m: float, n: float, k: float, cluster: ClusterSpec,
 
 
 def layer_gemms(model: ModelConfig, tokens: float, tp: int, ep: int,
-                moe: bool) -> list[tuple[float, float, float, float]]:
+                moe: bool, etp: int | None = None
+                ) -> list[tuple[float, float, float, float]]:
     """(count, m, n, k) of one layer's forward products on one device, for
     `tokens` tokens per micro-batch, the weights split over TP (Megatron's column
     and row split, chapter 09) and, in an MoE layer, the routed experts over EP:
     each device holds experts / ep of them and each receives tokens x top-k x ep
-    / experts tokens (the EP group's tokens, spread evenly)."""
+    / experts tokens (the EP group's tokens, spread evenly). etp: the ranks an
+    expert is split over, when not TP (a folded layout): each device then
+    dispatches its tokens x etp / tp (sequence parallelism's share, gathered over
+    expert TP) and holds whole experts' widths / etp."""
+    etp = tp if etp is None else etp
     hidden, heads = model.hidden, model.heads
     out = []
     if model.kv_lora_rank:  # multi-head latent attention: low-rank q and kv
@@ -49,10 +54,10 @@ def layer_gemms(model: ModelConfig, tokens: float, tp: int, ep: int,
     up = 2 if model.gated_mlp else 1  # SwiGLU: gate and up projections
     if moe:
         experts, expert_ffn = model.experts, model.expert_ffn
-        per_expert = tokens * model.experts_per_token * ep / experts
+        per_expert = tokens * etp / tp * model.experts_per_token * ep / experts
         out += [(1, tokens, experts, hidden),  # the router
-                (experts / ep, per_expert, up * expert_ffn / tp, hidden),
-                (experts / ep, per_expert, hidden, expert_ffn / tp)]
+                (experts / ep, per_expert, up * expert_ffn / etp, hidden),
+                (experts / ep, per_expert, hidden, expert_ffn / etp)]
         if model.shared_experts:
             shared_ffn = model.shared_experts * expert_ffn
             out += [(1, tokens, up * shared_ffn / tp, hidden),
@@ -64,13 +69,14 @@ def layer_gemms(model: ModelConfig, tokens: float, tp: int, ep: int,
 
 
 def layer_seconds(model: ModelConfig, tokens: float, seq: int, tp: int, ep: int,
-                  moe: bool, cluster: ClusterSpec) -> tuple[float, float]:
+                  moe: bool, cluster: ClusterSpec, etp: int | None = None
+                  ) -> tuple[float, float]:
     """(roofline seconds, seconds at the full peak) of one layer's forward and
     backward for one micro-batch on one device. Attention's scores (12·h·seq
     FLOPs per token, forward and backward) are priced as compute at the GEMM
     efficiency (FlashAttention keeps them out of HBM): an assumption."""
     roofline, at_peak = 0.0, 0.0
-    for count, m, n, k in layer_gemms(model, tokens, tp, ep, moe):
+    for count, m, n, k in layer_gemms(model, tokens, tp, ep, moe, etp):
         roofline += 3 * count * gemm_time(m, n, k, cluster)
         at_peak += 3 * count * 2 * m * n * k / cluster.flops
     scores = 12 * model.hidden * seq * tokens / tp / cluster.flops
@@ -78,7 +84,7 @@ def layer_seconds(model: ModelConfig, tokens: float, seq: int, tp: int, ep: int,
 
 
 def compute_slowdown(model: ModelConfig, tokens: float, seq: int, tp: int, ep: int,
-                     cluster: ClusterSpec) -> float:
+                     cluster: ClusterSpec, etp: int | None = None) -> float:
     """Roofline time over peak time for this layout's layers (dense and MoE
     weighted by their counts): 1 / gemm_efficiency where every product is large,
     more where thin per-device shapes leave it bound by HBM."""
@@ -87,7 +93,7 @@ def compute_slowdown(model: ModelConfig, tokens: float, seq: int, tp: int, ep: i
     for moe, layers in ((False, model.layers - moe_layers), (True, moe_layers)):
         if layers:
             layer_roofline, layer_peak = layer_seconds(model, tokens, seq, tp, ep, moe,
-                                                       cluster)
+                                                       cluster, etp)
             roofline = roofline + layers * layer_roofline
             at_peak = at_peak + layers * layer_peak
     return roofline / at_peak

@@ -101,8 +101,8 @@ def dp_latency(model: ModelConfig, layout: Layout, cluster: ClusterSpec,
     replicas, m = layout.dp * layout.cp, shape.microbatches
     out = dp_latency_of(layout.zero, replicas, nodes["dp"], shape.stage_layers, m,
                         alpha_in, alpha_out)
-    if model.experts and replicas // layout.ep > 1:
-        experts = dp_latency_of(layout.zero, replicas // layout.ep, nodes["dp_expert"],
+    if model.experts and layout.expert_replicas > 1:
+        experts = dp_latency_of(layout.zero, layout.expert_replicas, nodes["dp_expert"],
                                 shape.stage_moe_layers, m, alpha_in, alpha_out)
         out = {phase: seconds + experts[phase] for phase, seconds in out.items()}
     return out

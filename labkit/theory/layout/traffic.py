@@ -49,11 +49,12 @@ def dp_phases_of(psi: float, n: int, stage: int, m: int,
 def dp_traffic(model: ModelConfig, layout: Layout, shape: StepShape,
                dtype_bytes: int = 2) -> dict[str, float]:
     """Data-parallel bytes per step by phase (dp_phases_of): the dense
-    parameters' over DP x CP ranks plus the routed experts' over DP x CP / EP."""
+    parameters' over DP x CP ranks plus the routed experts' over their replicas
+    (DP x CP / EP; folded, TP x DP x CP / (expert TP x EP))."""
     dense, experts = params_per_device(model, layout)
     replicas = layout.dp * layout.cp
     phases = dict.fromkeys(DP_PHASES, 0.0)
-    for psi, ranks in ((dense, replicas), (experts, replicas // layout.ep)):
+    for psi, ranks in ((dense, replicas), (experts, layout.expert_replicas)):
         if psi and ranks > 1:
             by_phase = dp_phases_of(psi, ranks, layout.zero, shape.microbatches,
                                     dtype_bytes)
