@@ -79,18 +79,28 @@ executed: install
 	$(BIN)/python -m labkit.cli.executed --jobs $(JOBS) --timeout $(CELL_TIMEOUT) \
 		$(EXECUTED) $(CHAPTERS)
 
-# one site (labkit/cli/site.py): index, contents, previous/next, search, widgets
+# The site and the decks come from an edition of the executed chapters
+# (labkit/cli/editions.py): public (no solutions; the default) or lecturer
+# (`make book EDITION=lecturer`: everything, each solution labelled).
+EDITION ?= public
+EDITION_DIR := _build/edition-$(EDITION)
+SLIDES_DIR := _build/slides$(if $(filter lecturer,$(EDITION)),-lecturer)
+BOOK_DIR := _build/book$(if $(filter lecturer,$(EDITION)),-lecturer)
+
+# one site (labkit/cli/site.py): index, contents, previous/next, search, widgets,
+# a page for lecturers and a glossary
 book: executed vendor
-	$(BIN)/python -m labkit.cli.site $(EXECUTED) _build/book _build/vendor
+	$(BIN)/python -m labkit.cli.site $(EXECUTED) $(BOOK_DIR) _build/vendor $(EDITION)
 
 slides: executed vendor
+	$(BIN)/python -m labkit.cli.editions $(EXECUTED) $(EDITION_DIR) $(EDITION)
 	$(MAKE) --no-print-directory -j$(JOBS) \
-		$(CHAPTERS:notebooks/%.ipynb=_build/slides/%.slides.html)
+		$(CHAPTERS:notebooks/%.ipynb=$(SLIDES_DIR)/%.slides.html)
 	mkdir -p _build/images && cp images/*.svg _build/images/
 
-_build/slides/%.slides.html: FORCE
-	$(BIN)/jupyter nbconvert $(OFFLINE) --to slides --output-dir _build/slides \
-		--SlidesExporter.reveal_scroll=True $(EXECUTED)/$*.ipynb
+$(SLIDES_DIR)/%.slides.html: FORCE
+	$(BIN)/jupyter nbconvert $(OFFLINE) --to slides --output-dir $(SLIDES_DIR) \
+		--SlidesExporter.reveal_scroll=True $(EDITION_DIR)/$*.ipynb
 
 FORCE:
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
+
+# markdown a chapter means for the speaker, not the screen (reveal.js's notes)
+NOTES = "notes"
 
 
 def dirty_cells(path: str | Path) -> list[int]:
@@ -34,13 +38,51 @@ def clean(path: str | Path) -> bool:
     return False
 
 
+def off_screen(code: str) -> bool:
+    """Code a lecture's deck need not show: every top-level statement an import,
+    an assert, a check_...() call or a .close() (set-up, a chapter's claims
+    checked, an exercise's grading, clean-up). Code Python cannot read (a %%ranks
+    cell) stays on screen."""
+    try:
+        body = ast.parse(code).body
+    except SyntaxError:
+        return False
+
+    def quiet(node) -> bool:
+        if isinstance(node, (ast.Import, ast.ImportFrom, ast.Assert)):
+            return True
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            f = node.value.func
+            name = f.id if isinstance(f, ast.Name) else (
+                f.attr if isinstance(f, ast.Attribute) else "")
+            return name.startswith("check_") or name == "close"
+        return False
+
+    return bool(body) and all(quiet(node) for node in body)
+
+
 def slide_type(cell: dict) -> str:
-    """Reveal.js slides from a chapter: each heading starts a slide, each code cell
-    is a sub-slide below it (so long outputs get room), other text stays put."""
+    """Reveal.js slides from a chapter, as RISE shows them live in JupyterLab:
+    each heading starts a slide, each code cell is a sub-slide below it (so long
+    outputs get room; every cell stays, for a slideshow that runs them), other
+    text stays put, markdown tagged `notes` is the speaker's."""
     source = "".join(cell.get("source", ""))
-    if cell.get("cell_type") == "markdown" and source.lstrip().startswith("#"):
-        return "slide"
+    if cell.get("cell_type") == "markdown":
+        if NOTES in cell.get("metadata", {}).get("tags", []):
+            return "notes"
+        return "slide" if source.lstrip().startswith("#") else "-"
     return "subslide" if cell.get("cell_type") == "code" else "-"
+
+
+def deck_slide_type(cell: dict) -> str:
+    """A static deck's (`make slides`, outputs already there): as slide_type, less
+    the solutions and the code that is only set-up, asserts, checks or clean-up
+    (off_screen)."""
+    if cell.get("cell_type") == "code" and (
+            "solution" in cell.get("metadata", {}).get("tags", [])
+            or off_screen("".join(cell.get("source", "")))):
+        return "skip"
+    return slide_type(cell)
 
 
 def mark_slides(path: str | Path) -> bool:

@@ -14,23 +14,34 @@ issue 428, open), and the course's figures live in widgets."""
 from __future__ import annotations
 
 import json
+import math
+import os
+import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+from labkit.cli import editions, page_assets, student
 
 ROOT = Path(__file__).resolve().parents[2]
 MATHJAX = "mathjax/MathJax.js?config=TeX-AMS_CHTML-full,Safe"  # under _static/
 
 CONF = """\
 project = "Parallelism Lab"
+author = "the Parallelism Lab authors"
+copyright = "2026, the Parallelism Lab authors"
 extensions = ["myst_nb"]
 nb_execution_mode = "off"  # the chapters come executed, widgets' state included
 myst_enable_extensions = ["dollarmath", "amsmath"]
 html_theme = "sphinx_book_theme"
 html_title = "Parallelism Lab"
-html_static_path = [{vendor!r}]  # reveal.js, MathJax, require.js, widgets
-html_theme_options = {{"show_navbar_depth": 1, "home_page_in_toc": True}}
+html_static_path = [{vendor!r}, "_labkit"]  # reveal.js, MathJax, widgets; ours
+html_css_files = ["labkit.css"]
+html_js_files = ["labkit.js"]
+html_theme_options = {{"show_navbar_depth": 1, "home_page_in_toc": True{repo}}}
+html_show_sourcelink = False
 mathjax_path = {mathjax!r}
 # MyST-NB marks a chapter's text "ignore" and its formulas' spans "math"
 mathjax2_config = {{"tex2jax": {{"processClass": "tex2jax_process|math|output_area"}}}}
@@ -40,15 +51,36 @@ exclude_patterns = ["_build"]
 suppress_warnings = ["mystnb.unknown_mime_type", "myst.header"]
 """
 
+WORDS_A_MINUTE = 80  # technical prose with formulas, its cells run and looked at
+SESSION_MINUTES = 90
+
 INDEX = """\
 # Parallelism Lab
 
-A hands-on course on how large models are trained across many devices. Each
-chapter starts real `torch.distributed` ranks from inside the notebook, lets them
-exchange real tensors, measures what every rank holds and sends, and checks each
-measured number against its formula. The pages below are the chapters as they
-ran when this site was built, outputs and widgets included; to run them
-yourself, `make lab` opens them in JupyterLab.
+A hands-on course on how large models are trained across many devices: collective
+communication, data parallelism, ZeRO and FSDP, tensor, pipeline, sequence and
+expert parallelism, and how they combine. Each chapter starts real
+`torch.distributed` ranks from inside the notebook, lets them exchange real
+tensors, measures what every rank holds and sends, and checks each measured
+number against its formula. Everything runs on a laptop without a GPU.
+
+**For whom.** Students and engineers who train models with PyTorch and want to
+know what happens between the devices. **Prerequisites**: Python and PyTorch (a
+module, a training step, autograd); linear algebra of matrix products; no
+distributed-systems background. **Get it**: {get_it} then `make lab` opens the
+chapters in JupyterLab (`make test` checks everything). **Start** with chapter 00,
+the lab tour; the chapters build on each other in order.
+
+The pages below are the chapters as they ran when this site was built, outputs
+included; the exercises are there without their solutions ({edition} edition).
+Widgets are snapshots of that run: to move their controls, run the chapter.
+
+| Chapter | Reading | Sessions of {session} min | Exercises |
+|---|---|---|---|
+{table}
+
+Times are the chapter's prose at {wpm} words a minute plus its exercises, a
+guide for planning, not a measurement of a class.
 
 ```{{toctree}}
 :maxdepth: 1
@@ -56,6 +88,68 @@ yourself, `make lab` opens them in JupyterLab.
 
 {chapters}
 ```
+
+```{{toctree}}
+:maxdepth: 1
+:caption: For the course
+
+teaching
+glossary
+```
+"""
+
+TEACHING = """\
+# Teaching with Parallelism Lab
+
+## A schedule
+
+One row per session of {session} minutes; a chapter longer than one session is
+split at a section boundary of your choice. Reading times are the chapter's prose
+at {wpm} words a minute plus 10 minutes an exercise.
+
+| Session | Chapter | Reading |
+|---|---|---|
+{schedule}
+
+## What each chapter sets out to do
+
+{objectives}
+
+## Exercises and points
+
+Each exercise is checked by `labkit.checks` on inputs drawn afresh each run; the
+points are what `make nbgrader` gives it (the exercise cell's metadata).
+
+| Chapter | Exercise | Points |
+|---|---|---|
+{exercises}
+
+## Recipes
+
+- **Slides**: `make slides` writes one reveal.js deck a chapter in
+  `_build/slides/` (the public edition; `make slides EDITION=lecturer` keeps the
+  solutions). Set-up cells, asserts, checks and solutions are left out of the
+  decks; markdown tagged `notes` is speaker notes. In JupyterLab, RISE (Alt+R)
+  shows the same slides live.
+- **This site**: `make book` builds it from the public edition (no solutions);
+  `make book EDITION=lecturer` builds the lecturer's copy with every solution
+  labelled.
+- **Student edition**: `make student` writes the notebooks without solutions or
+  outputs to `dist/student/`.
+- **Grading**: `make nbgrader` writes an nbgrader course to `dist/nbgrader/`.
+- **A JupyterHub**: the README's "For lecturers" section sizes a server per
+  student.
+"""
+
+GLOSSARY = """\
+# Glossary
+
+Every term the chapters' glossaries list, English and Chinese, with the chapters
+that introduce it.
+
+| English | 中文 | Chapters |
+|---|---|---|
+{rows}
 """
 
 
@@ -66,24 +160,142 @@ def title(nb_path: Path) -> str:
     return first.lstrip("#").strip()
 
 
-def write_project(executed: Path, src: Path, vendor: Path) -> list[str]:
-    """The Sphinx project in src: conf.py, index.md, notebooks/, images/."""
+@dataclass(frozen=True)
+class Chapter:
+    """What the course's pages say of one chapter, read from its notebook."""
+
+    stem: str
+    title: str
+    words: int  # of prose (markdown, code blocks left out)
+    objectives: tuple[str, ...]  # its "In this chapter" list
+    exercises: tuple[tuple[str, float], ...]  # (title, points)
+    glossary: tuple[tuple[str, str], ...]  # (English, 中文)
+
+    @property
+    def minutes(self) -> int:
+        return round(self.words / WORDS_A_MINUTE + 10 * len(self.exercises))
+
+    @property
+    def sessions(self) -> int:
+        return max(1, math.ceil(self.minutes / SESSION_MINUTES))
+
+
+def _md(nb: dict) -> list[str]:
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"]
+
+
+def _list_after(text: str, lead: str) -> list[str]:
+    """The numbered items of the list that follows `lead` in `text`, each
+    joined onto one line."""
+    if lead not in text:
+        return []
+    items: list[str] = []
+    for line in text.split(lead, 1)[1].strip("\n").splitlines():
+        if re.match(r"\d+\.\s", line):
+            items.append(re.sub(r"^\d+\.\s+", "", line).strip())
+        elif line.startswith("   ") and items:
+            items[-1] += " " + line.strip()
+        else:
+            break
+    return items
+
+
+def chapter(nb_path: Path) -> Chapter:
+    nb = json.loads(nb_path.read_text(encoding="utf-8"))
+    texts = _md(nb)
+    prose = "\n".join(re.sub(r"```.*?```", "", t, flags=re.S) for t in texts)
+    exercise_text = next((t for t in texts if t.lstrip().startswith("## Exercises")),
+                         "")
+    names = re.findall(r"^\d+\.\s+\*\*(.+?)\*\*", exercise_text, flags=re.M)
+    points = [student.points(c) for c in nb["cells"]
+              if student.EXERCISE in student.tags(c)]
+    names += [f"Exercise {k + 1}" for k in range(len(names), len(points))]
+    glossary = []
+    for t in texts:
+        if "**Glossary**" in t:
+            for row in t.split("**Glossary**", 1)[1].splitlines():
+                cols = [c.strip() for c in row.strip().strip("|").split("|")]
+                if (len(cols) == 2 and cols[0] and not set(cols[0]) <= set("-: ")
+                        and cols[0] != "English"):
+                    glossary.append((cols[0], cols[1]))
+    return Chapter(nb_path.stem, title(nb_path), len(prose.split()),
+                   tuple(_list_after(texts[0], "**In this chapter**")),
+                   tuple(zip(names, points)), tuple(glossary))
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def index_page(chapters: list[Chapter], edition: str, repo_url: str | None) -> str:
+    table = "\n".join(
+        f"| [{_cell(c.title)}](notebooks/{c.stem}) | {c.minutes} min | {c.sessions} "
+        f"| {len(c.exercises)} |" for c in chapters)
+    get_it = (f"clone [the repository]({repo_url}),"
+              if repo_url else "copy the course's repository (your lecturer has "
+              "its address),")
+    return INDEX.format(get_it=get_it, edition=edition, session=SESSION_MINUTES,
+                        wpm=WORDS_A_MINUTE, table=table,
+                        chapters="\n".join(f"notebooks/{c.stem}" for c in chapters))
+
+
+def teaching_page(chapters: list[Chapter]) -> str:
+    schedule, n = [], 0
+    for c in chapters:
+        for part in range(c.sessions):
+            n += 1
+            of = f" (part {part + 1} of {c.sessions})" if c.sessions > 1 else ""
+            schedule.append(f"| {n} | {_cell(c.title)}{of} | "
+                            f"{c.minutes if part == 0 else ''}"
+                            f"{' min' if part == 0 else ''} |")
+    objectives = "\n\n".join(
+        f"**{_cell(c.title)}**\n\n" + "\n".join(f"- {o}" for o in c.objectives)
+        for c in chapters if c.objectives)
+    exercises = "\n".join(f"| {c.title.split(' ')[0]} | {_cell(name)} | {pts:g} |"
+                          for c in chapters for name, pts in c.exercises)
+    return TEACHING.format(session=SESSION_MINUTES, wpm=WORDS_A_MINUTE,
+                           schedule="\n".join(schedule), objectives=objectives,
+                           exercises=exercises)
+
+
+def glossary_page(chapters: list[Chapter]) -> str:
+    terms: dict[tuple[str, str], list[str]] = {}
+    for c in chapters:
+        for english, chinese in c.glossary:
+            terms.setdefault((english, chinese), []).append(c.title.split(" ")[0])
+    rows = "\n".join(f"| {_cell(e)} | {_cell(z)} | {', '.join(where)} |"
+                     for (e, z), where in sorted(terms.items(),
+                                                 key=lambda kv: kv[0][0].lower()))
+    return GLOSSARY.format(rows=rows)
+
+
+def write_project(executed: Path, src: Path, vendor: Path,
+                  edition: str = "public") -> list[str]:
+    """The Sphinx project in src: conf.py, the index, teaching and glossary pages,
+    the chapters' `edition` (editions.py) in notebooks/, images/, our style and
+    script in _labkit/."""
     shutil.rmtree(src, ignore_errors=True)
     (src / "notebooks").mkdir(parents=True)
+    (src / "_labkit").mkdir()
     shutil.copytree(ROOT / "images", src / "images")  # chapters link ../images
-    names = []
-    for nb in sorted(executed.glob("*.ipynb")):
-        shutil.copy(nb, src / "notebooks" / nb.name)
-        names.append(f"notebooks/{nb.stem}")
+    (src / "_labkit" / "labkit.css").write_text(page_assets.SITE_CSS)
+    (src / "_labkit" / "labkit.js").write_text(page_assets.SNAPSHOT_JS)
+    editions.write(executed, src / "notebooks", edition)
+    chapters = [chapter(nb) for nb in sorted((src / "notebooks").glob("*.ipynb"))]
+    repo_url = os.environ.get("LABKIT_REPO_URL") or None
+    repo = (f', "repository_url": {repo_url!r}, "use_repository_button": True'
+            if repo_url else "")
     (src / "conf.py").write_text(CONF.format(vendor=str(vendor.resolve()),
-                                             mathjax=MATHJAX))
-    (src / "index.md").write_text(INDEX.format(chapters="\n".join(names)))
-    return names
+                                             mathjax=MATHJAX, repo=repo))
+    (src / "index.md").write_text(index_page(chapters, edition, repo_url))
+    (src / "teaching.md").write_text(teaching_page(chapters))
+    (src / "glossary.md").write_text(glossary_page(chapters))
+    return [f"notebooks/{c.stem}" for c in chapters]
 
 
-def build(executed: Path, out: Path, vendor: Path) -> None:
+def build(executed: Path, out: Path, vendor: Path, edition: str = "public") -> None:
     src = out.parent / f"{out.name}-src"
-    write_project(executed, src, vendor)
+    write_project(executed, src, vendor, edition)
     shutil.rmtree(out, ignore_errors=True)
     run = subprocess.run([sys.executable, "-m", "sphinx", "-q", "-b", "html",
                           "-d", str(src / ".doctrees"), str(src), str(out)],
@@ -103,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     executed, out = Path(args[0]), Path(args[1])
     vendor = Path(args[2]) if len(args) > 2 else Path("_build/vendor")
-    build(executed, out, vendor)
+    edition = args[3] if len(args) > 3 else "public"
+    build(executed, out, vendor, edition)
     print(f"{out / 'index.html'}: {len(list(executed.glob('*.ipynb')))} chapters")
     return 0
 

@@ -23,6 +23,8 @@ import tempfile
 from fnmatch import fnmatch
 from pathlib import Path
 
+from labkit.cli.page_assets import DECK_CSS, DECK_JS, SNAPSHOT_JS
+
 # local name -> (npm package@version, the files or folders of it the pages use;
 # a name may be a glob)
 PACKAGES = {
@@ -42,10 +44,18 @@ PACKAGES = {
 # where a diagram is); no chapter draws one, so the slides use reveal's template
 # without that import.
 TEMPLATE = "reveal-offline"
+# the deck's own style and scripts (page_assets): code that wraps, a readable size,
+# tall slides that scroll from the first, widgets marked as snapshots
+_DECK_SCRIPT = DECK_JS % "{{ reveal_url_prefix }}" + SNAPSHOT_JS
+assert "{#" not in DECK_CSS + _DECK_SCRIPT  # Jinja would read a comment there
 TEMPLATE_FILES = {
     "conf.json": '{"base_template": "reveal", "mimetypes": {"text/html": true}}\n',
     "index.html.j2": "{%- extends 'reveal/index.html.j2' -%}\n"
-                     "{%- block html_head_js_mermaidjs -%}{%- endblock -%}\n",
+                     "{%- block html_head_js_mermaidjs -%}{%- endblock -%}\n"
+                     "{%- block html_head_css -%}\n<style>\n" + DECK_CSS
+                     + "</style>\n{%- endblock html_head_css -%}\n"
+                     "{%- block footer_js -%}\n{{ super() }}\n<script>\n"
+                     + _DECK_SCRIPT + "</script>\n{%- endblock footer_js -%}\n",
 }
 
 

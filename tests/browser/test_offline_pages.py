@@ -3,13 +3,18 @@ hall without Wi-Fi: Chromium may load file:// and localhost only, anything else 
 aborted (and listed in the failure).
 
 The chapters come as they ran under nbval (_build/executed/, the conftest's
-`executed`: nothing is executed again). Chapter 02's slide deck (math, subslides,
-a widget with a figure), beside a copy of _build/vendor/ as the Makefile lays it
-out, opens from disk, navigates (next, down, overview) and MathJax typesets every
-formula (no raw `$...$` or `\\(...\\)` left in the text). The book's site is
-built from every executed chapter and served on localhost: the walk goes from the
-index through every chapter by "next" to the last, chapter 02 shows its math,
-every chapter that stored widgets shows their figures, and search finds pages.
+`executed`: nothing is executed again), in their public edition (editions.py: no
+solutions). Chapter 02's slide deck (math, subslides, a widget with a figure),
+beside a copy of _build/vendor/ as the Makefile lays it out, opens from disk,
+navigates (next, down, overview) and MathJax typesets every formula (no raw
+`$...$` or `\\(...\\)` left in the text); on a 1280x720 screen every slide,
+the first included, fits or scrolls, and no code runs off its side. The book's
+site is built from every executed chapter and served on localhost: the walk goes
+from the index through every chapter by "next" to the lecturer's and glossary
+pages, chapter 02 shows its math, every chapter that stored widgets shows their
+figures, marked as snapshots with their controls disabled, no code block runs
+off the side of the page, and no solution is on a page or in a page's download;
+search finds pages.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ from pathlib import Path
 
 import pytest
 
+from labkit.cli import editions, vendor
 from labkit.cli import site as course_site
-from labkit.cli import vendor
+from labkit.cli.page_assets import SNAPSHOT_NOTE
+from labkit.cli.student import SOLUTION, source, tags
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTER = ROOT / "notebooks" / "02_ring_allreduce.ipynb"
@@ -65,10 +72,12 @@ def site_dir(tmp_path_factory, executed) -> Path:
 
 @pytest.fixture(scope="module")
 def deck(site_dir) -> Path:
+    """Chapter 02's deck from its public edition, as `make slides` makes it."""
     flags = vendor.flags("../vendor", site_dir / "vendor")
+    editions.write(site_dir / "chapters", site_dir / "public", "public")
     _run("-m", "nbconvert", "--to", "slides", "--output-dir", "../slides", *flags,
          "--SlidesExporter.reveal_scroll=True", CHAPTER.name,
-         cwd=site_dir / "chapters")
+         cwd=site_dir / "public")
     return site_dir / "slides" / f"{CHAPTER.stem}.slides.html"
 
 
@@ -150,6 +159,45 @@ def test_slides_navigate_and_typeset_offline(deck, offline, shots):
     _check_loaded_alone(page)
 
 
+# the slide shown: whether it is taller than the screen without scrolling, and
+# how many of its code blocks run off their side
+SLIDE_JS = """() => {
+  const s = document.querySelector('section.present section.present')
+            || document.querySelector('section.present');
+  const clipped = [...s.querySelectorAll('pre')]
+    .filter(e => e.scrollWidth > e.clientWidth + 1).length;
+  const scrolls = ['auto', 'scroll'].includes(getComputedStyle(s).overflowY);
+  return {hash: location.hash, cut: s.scrollHeight > s.clientHeight + 2 && !scrolls,
+          clipped: clipped};
+}"""
+
+
+@pytest.mark.slow
+def test_every_slide_fits_or_scrolls_on_a_projector(deck, browser, shots):
+    page = browser.new_page(viewport={"width": 1280, "height": 720})
+    try:
+        page.goto(deck.as_uri())
+        page.wait_for_selector(".reveal.ready", timeout=SECONDS * 1000)
+        page.wait_for_function(MATH_DONE, timeout=SECONDS * 1000)
+        page.wait_for_timeout(2000)  # the deck's fit runs again after typesetting
+        page.screenshot(path=str(shots / "slides_first.png"))
+        seen, bad = [], []
+        while True:
+            state = page.evaluate(SLIDE_JS)
+            if state["hash"] in seen:
+                break
+            seen.append(state["hash"])
+            if state["cut"] or state["clipped"]:
+                bad.append(state)
+            page.keyboard.press("Space")  # next (sub)slide; the last stays put
+            page.wait_for_timeout(400)
+        assert len(seen) > 5, f"walked only {seen}"
+        assert not bad, (f"slides cut off below the screen without a scrollbar, or "
+                         f"with code running off the side: {bad}")
+    finally:
+        page.close()
+
+
 @pytest.mark.slow
 def test_book_walks_from_the_index_to_the_last_chapter_offline(book, site_dir, offline,
                                                                shots):
@@ -159,9 +207,12 @@ def test_book_walks_from_the_index_to_the_last_chapter_offline(book, site_dir, o
     page.goto(book + "index.html")
     listed = page.locator("article .toctree-wrapper a.reference").all_inner_texts()
     want = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
-    assert [t.split(" ")[0] for t in listed] == [w[:2] for w in want], listed
-    assert "how large models are trained" in page.inner_text("article")
-    walked, figures = [], []
+    assert [t.split(" ")[0] for t in listed] == [w[:2] for w in want] + [
+        "Teaching", "Glossary"], listed
+    article = page.inner_text("article")
+    assert "how large models are trained" in article and "Prerequisites" in article
+    page.screenshot(path=str(shots / "book_index.png"))
+    walked, figures, clipped = [], [], {}
     while page.locator("a.right-next").count():
         page.locator("a.right-next").first.click()
         page.wait_for_load_state("load")
@@ -170,8 +221,13 @@ def test_book_walks_from_the_index_to_the_last_chapter_offline(book, site_dir, o
             _check_math(page, shots, "book")
         if walked[-1] in widgets:
             _check_widget_figures(page)
+            _check_snapshots(page, shots, walked[-1])
             figures.append(walked[-1])
-    assert walked == want, f"index, then next: {walked}"
+        wide = page.evaluate(CLIPPED_JS)
+        if wide:
+            clipped[walked[-1]] = wide
+    assert walked == want + ["teaching", "glossary"], f"index, then next: {walked}"
+    assert not clipped, f"code blocks that run off the page's side: {clipped}"
     assert figures == sorted(widgets), f"pages whose widgets' figures show: {figures}"
     assert page.locator("a.left-prev").count(), "the last chapter links back"
     _check_loaded_alone(page)
@@ -186,6 +242,80 @@ def test_book_search_finds_chapters_offline(book, offline):
     titles = found.all_inner_texts()
     assert any(CHAPTER.stem[:2] in t for t in titles), titles
     _check_loaded_alone(page)
+
+
+# code blocks of the page wider than their box (a sideways scrollbar, or clipped)
+CLIPPED_JS = """() => [...document.querySelectorAll('article pre')]
+  .filter(e => e.scrollWidth > e.clientWidth + 1)
+  .map(e => e.innerText.split('\\n')[0].slice(0, 60))"""
+
+
+def _check_snapshots(page, shots: Path, name: str) -> None:
+    """Every widget with controls says it is a snapshot, its controls disabled:
+    no kernel answers them on a static page."""
+    page.wait_for_function(
+        "() => document.querySelectorAll('.labkit-snapshot').length > 0",
+        timeout=SECONDS * 1000)
+    roots = page.locator(".labkit-snapshot")
+    for k in range(roots.count()):
+        root = roots.nth(k)
+        live = root.evaluate("""r => [...r.querySelectorAll(
+            'input, select, button, textarea, .noUi-target')]
+            .filter(c => !c.hasAttribute('disabled')).length""")
+        assert live == 0, f"{name}: widget {k} has {live} controls still enabled"
+        badge = root.evaluate("r => r.previousElementSibling && "
+                              "r.previousElementSibling.innerText")
+        assert badge == SNAPSHOT_NOTE, f"{name}: widget {k} is not marked: {badge!r}"
+    roots.first.scroll_into_view_if_needed()
+    page.screenshot(path=str(shots / f"book_{name}_snapshot.png"))
+
+
+@pytest.mark.slow
+def test_public_site_has_no_solution(book, site_dir):
+    """No solution's own lines (those its stub and the rest of the chapter do not
+    have) on a chapter's page or in the notebook its download button serves; the
+    lecturer's build of the same chapters shows them (so the search could find
+    them)."""
+    chapters = sorted((site_dir / "chapters").glob("*.ipynb"))
+    assert not _published_solutions(site_dir / "book", chapters)
+    course_site.build(site_dir / "chapters", site_dir / "book-lecturer",
+                      site_dir / "vendor", "lecturer")
+    shown = _published_solutions(site_dir / "book-lecturer", chapters)
+    with_solutions = [p.stem for p in chapters if any(
+        SOLUTION in tags(c) for c in json.loads(p.read_text())["cells"])]
+    assert sorted(shown) == with_solutions, shown
+
+
+def _published_solutions(out: Path, chapters: list[Path]) -> dict[str, list[str]]:
+    """Chapter -> the lines of its solutions found on its page or in its served
+    notebook."""
+    found = {}
+    for path in chapters:
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        if not any(SOLUTION in tags(c) for c in cells):
+            continue
+        elsewhere = "\n".join(source(c) for c in cells if SOLUTION not in tags(c))
+        own = {ln.strip() for c in cells if SOLUTION in tags(c)
+               for ln in source(c).splitlines()
+               if len(ln.strip()) > 24 and ln.strip() not in elsewhere}
+        assert own, f"{path.name}: its solutions have no line of their own to look for"
+        page = (out / "notebooks" / f"{path.stem}.html").read_text(encoding="utf-8")
+        served = out / "_sources" / "notebooks" / f"{path.stem}.ipynb"
+        assert f'href="../_sources/notebooks/{path.stem}.ipynb"' in page, (
+            f"{path.stem}: the page's download button serves another file")
+        texts = [_plain(page), "\n".join(source(c) for c in json.loads(
+            served.read_text(encoding="utf-8"))["cells"])]
+        leaked = sorted({ln for ln in own for t in texts if ln in t})
+        if leaked:
+            found[path.stem] = leaked
+    return found
+
+
+def _plain(html: str) -> str:
+    """The page's text as a reader sees it: tags and entities out."""
+    import html as entities
+
+    return entities.unescape(re.sub(r"<[^>]+>", "", html))
 
 
 def _stored_widgets(chapters: Path) -> set[str]:

@@ -1,0 +1,109 @@
+"""The two editions the site and the slide decks are built from.
+
+`python -m labkit.cli.editions EXECUTED OUT public|lecturer` writes, for each
+executed chapter in EXECUTED (outputs and widgets' state kept), its edition in
+OUT:
+
+- **public**: what a class may see before the exercises are due. Every cell
+  tagged `solution` (code, or a written answer in markdown) is dropped, and the
+  outputs of what would give an answer away are cleared: the exercise's check
+  cell (its message names the right answer) and the stub. The page's download
+  link then serves this notebook, not the one with the solutions.
+- **lecturer**: everything, each solution headed by a line that says it is one.
+
+Both carry a static deck's slide types (nbclean.deck_slide_type): set-up,
+asserts, checks and solutions are left out of `make slides`' decks (RISE, live in
+JupyterLab, keeps the committed notebook's, which runs every cell).
+
+Each notebook is written to a temporary file and renamed; only `*.ipynb` files of
+the chapters given are written, nothing else in OUT is touched.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+from labkit.cli import atomic
+from labkit.cli.nbclean import deck_slide_type
+from labkit.cli.student import _CHECK_CALL, EXERCISE, SOLUTION, source, tags
+
+EDITIONS = ("public", "lecturer")
+SOLUTION_LABEL = "**Solution** (lecturer edition: not in the public site or decks)"
+
+
+def _without_outputs(cell: dict) -> dict:
+    cell = copy.deepcopy(cell)
+    cell["outputs"], cell["execution_count"] = [], None
+    return cell
+
+
+def _answers_check(cells: list[dict], i: int) -> bool:
+    """Whether cell i is an exercise's check: a code cell calling check_...()
+    that follows a solution (the layout student.layout_problems enforces)."""
+    c = cells[i]
+    return (c["cell_type"] == "code" and bool(_CHECK_CALL.search(source(c)))
+            and any(SOLUTION in tags(p) for p in cells[max(0, i - 2):i]))
+
+
+def public(nb: dict) -> dict:
+    """`nb` without its solutions, and without the outputs that name answers."""
+    cells, out = nb["cells"], []
+    for i, c in enumerate(cells):
+        if SOLUTION in tags(c):
+            continue
+        if c["cell_type"] == "code" and (EXERCISE in tags(c)
+                                         or _answers_check(cells, i)):
+            c = _without_outputs(c)
+        out.append(c)
+    return {**copy.deepcopy({k: v for k, v in nb.items() if k != "cells"}),
+            "cells": out}
+
+
+def lecturer(nb: dict) -> dict:
+    """`nb` whole, each solution headed by a markdown line naming it one."""
+    out = []
+    for c in nb["cells"]:
+        if SOLUTION in tags(c):
+            out.append({"cell_type": "markdown", "id": f"{c.get('id', 'x')}-label",
+                        "metadata": {}, "source": [SOLUTION_LABEL]})
+        out.append(c)
+    return {**copy.deepcopy({k: v for k, v in nb.items() if k != "cells"}),
+            "cells": copy.deepcopy(out)}
+
+
+def write(executed: Path, out: Path, edition: str) -> list[Path]:
+    """Each executed chapter's `edition` in `out`; returns the files written."""
+    if edition not in EDITIONS:
+        raise ValueError(f"edition must be one of {EDITIONS}, not {edition!r}")
+    make = public if edition == "public" else lecturer
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path in sorted(Path(executed).glob("*.ipynb")):
+        nb = make(json.loads(path.read_text(encoding="utf-8")))
+        for c in nb["cells"]:
+            label = source(c) == SOLUTION_LABEL  # goes with its solution
+            c.setdefault("metadata", {})["slideshow"] = {
+                "slide_type": "skip" if label else deck_slide_type(c)}
+        target = out / path.name
+        atomic.write_text(target, json.dumps(nb, indent=1, ensure_ascii=False)
+                          + "\n")
+        written.append(target)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3:
+        print("usage: python -m labkit.cli.editions EXECUTED OUT public|lecturer",
+              file=sys.stderr)
+        return 2
+    written = write(Path(args[0]), Path(args[1]), args[2])
+    print(f"{args[1]}: the {args[2]} edition of {len(written)} chapters")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

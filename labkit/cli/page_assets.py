@@ -1,0 +1,105 @@
+"""The style and script the built pages add to what the chapters render: the
+site (labkit/cli/site.py) and the slide decks (vendor.py's deck template).
+
+- Code wraps instead of running off the side (a 1280 px projector, print).
+- A widget on a static page is a snapshot of the run that built the page: no
+  kernel answers its controls. So its controls are disabled and a line above
+  it says so, rather than a slider that moves while its figure does not.
+- Decks: slides taller than the screen scroll from the first slide on (reveal's
+  own hook runs only when the slide changes), at a readable size.
+"""
+
+from __future__ import annotations
+
+SNAPSHOT_NOTE = ("Snapshot of the run that built this page: run the chapter in "
+                 "JupyterLab (make lab) to move these controls.")
+
+# the outermost widget of each output; its controls disabled, a line above it
+SNAPSHOT_JS = """\
+(function () {
+  var NOTE = %r;
+  var CONTROLS = "input, select, button, textarea, .noUi-target";
+  function mark(root) {
+    if (root.dataset.labkitSnapshot) { return; }
+    var controls = root.querySelectorAll(CONTROLS);
+    if (!controls.length) { return; }
+    root.dataset.labkitSnapshot = "1";
+    root.classList.add("labkit-snapshot");
+    controls.forEach(function (c) {
+      c.setAttribute("disabled", "");
+      c.setAttribute("aria-disabled", "true");
+      c.setAttribute("tabindex", "-1");
+    });
+    var badge = document.createElement("div");
+    badge.className = "labkit-snapshot-badge";
+    badge.textContent = NOTE;
+    root.parentNode.insertBefore(badge, root);
+  }
+  function scan() {
+    document.querySelectorAll(".jupyter-widgets").forEach(function (w) {
+      if (!w.parentElement.closest(".jupyter-widgets")) { mark(w); }
+    });
+  }
+  new MutationObserver(scan).observe(document.documentElement,
+                                     {childList: true, subtree: true});
+  document.addEventListener("DOMContentLoaded", scan);
+  scan();
+})();
+""" % SNAPSHOT_NOTE
+
+_SNAPSHOT_CSS = """\
+.labkit-snapshot-badge {
+  font-size: 0.8em; color: #6a4a00; background: #fff4d6;
+  border-left: 3px solid #e0a800; padding: 0.2em 0.6em; margin: 0.3em 0;
+}
+.labkit-snapshot .widget-slider, .labkit-snapshot .widget-dropdown,
+.labkit-snapshot .widget-toggle-buttons, .labkit-snapshot .widget-button,
+.labkit-snapshot .widget-play, .labkit-snapshot .widget-checkbox,
+.labkit-snapshot .widget-radio, .labkit-snapshot .widget-text,
+.labkit-snapshot .noUi-target {
+  pointer-events: none; opacity: 0.6;
+}
+"""
+
+SITE_CSS = _SNAPSHOT_CSS + """\
+/* code wraps at the column instead of scrolling sideways, on screen and paper */
+div.cell div.highlight pre, div.cell_output pre, div.output pre {
+  white-space: pre-wrap; overflow-wrap: anywhere;
+}
+/* a slider needs room for its track beside its label; a row of controls
+   wider than the column wraps */
+.widget-slider .slider-container { min-width: 10em; flex: 1 1 auto; }
+.jupyter-widgets.widget-hbox { flex-wrap: wrap; row-gap: 0.3em; }
+.widget-slider .widget-readout { min-width: 4.5em; }
+"""
+
+DECK_CSS = _SNAPSHOT_CSS + """\
+.reveal pre, .reveal .highlight pre, .reveal .jp-OutputArea-output pre {
+  white-space: pre-wrap; overflow-wrap: anywhere;
+}
+.reveal .jp-RenderedHTMLCommon p, .reveal .jp-RenderedHTMLCommon li {
+  font-size: 24px; line-height: 1.35;
+}
+.reveal .jp-RenderedHTMLCommon table { font-size: 18px; }
+.reveal .highlight pre, .reveal .jp-OutputArea-output pre { font-size: 15px; }
+"""
+
+# after reveal.js is up: the tall slides of the slide shown scroll, from the first
+DECK_JS = """\
+require(["%s/dist/reveal.js"], function (Reveal) {
+  function fit() {
+    var h = document.querySelector(".reveal").offsetHeight * 0.95;
+    document.querySelectorAll("section.present section").forEach(function (s) {
+      if (s.scrollHeight > h) {
+        s.style.height = "95vh";
+        s.style.overflowY = "auto";
+        s.style.marginTop = "20px";
+      }
+    });
+  }
+  if (Reveal.isReady()) { fit(); } else { Reveal.on("ready", fit); }
+  Reveal.on("slidechanged", fit);
+  window.addEventListener("load", fit);
+  setTimeout(fit, 1500);  // after MathJax and the widgets have drawn
+});
+"""

@@ -1,0 +1,79 @@
+"""labkit.cli.editions: the public edition the site and decks are built from has
+no solution and no output naming an answer; the lecturer's keeps and labels them.
+And the static decks leave set-up, asserts, checks and solutions out
+(nbclean.deck_slide_type), where RISE, live, keeps every cell."""
+
+import json
+
+from labkit.cli import editions
+from labkit.cli.nbclean import deck_slide_type, slide_type
+from labkit.cli.student import SOLUTION, source, tags
+
+
+def _code(text, *tag, outputs=("shown",)):
+    return {"cell_type": "code", "id": text[:8].replace(" ", "_"), "source": [text],
+            "metadata": {"tags": list(tag)}, "execution_count": 1,
+            "outputs": [{"output_type": "stream", "name": "stdout", "text": [o]}
+                        for o in outputs]}
+
+
+def _md(text, *tag):
+    return {"cell_type": "markdown", "id": "m" + str(abs(hash(text)) % 999),
+            "source": [text], "metadata": {"tags": list(tag)}}
+
+
+NB = {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+    _md("## Exercises"),
+    _code("def f(x):\n    raise NotImplementedError('exercise: f')", "exercise"),
+    _code("def f(x):\n    return 2 * x  # the answer", "solution"),
+    _code("check_f(f)", outputs=("f is right: f(3) = 6",)),
+    _md("Why is it 6? *Because 2 x 3.*", "solution"),
+    _code("plot()", outputs=("a figure",)),
+]}
+
+
+def test_public_drops_solutions_and_clears_the_outputs_naming_answers():
+    pub = editions.public(json.loads(json.dumps(NB)))
+    text = "\n".join(source(c) for c in pub["cells"])
+    assert "return 2 * x" not in text and "Because" not in text
+    assert not any(SOLUTION in tags(c) for c in pub["cells"])
+    check = next(c for c in pub["cells"] if source(c).startswith("check_f"))
+    assert check["outputs"] == [], "the check's message names the answer"
+    assert pub["cells"][-1]["outputs"], "other outputs stay"
+    assert NB["cells"][3]["outputs"], "the executed notebook is not changed"
+
+
+def test_lecturer_keeps_and_labels_every_solution():
+    lec = editions.lecturer(NB)
+    labels = [i for i, c in enumerate(lec["cells"])
+              if source(c) == editions.SOLUTION_LABEL]
+    assert [SOLUTION in tags(lec["cells"][i + 1]) for i in labels] == [True, True]
+    assert len(lec["cells"]) == len(NB["cells"]) + 2
+
+
+def test_write_refuses_an_unknown_edition(tmp_path):
+    try:
+        editions.write(tmp_path, tmp_path / "out", "draft")
+    except ValueError as e:
+        assert "public" in str(e)
+    else:
+        raise AssertionError("an unknown edition was accepted")
+
+
+def test_decks_leave_out_set_up_claims_checks_and_solutions():
+    kinds = {
+        "import torch\nfrom labkit import viz": "skip",
+        "assert x == 1, 'x'\nassert y": "skip",
+        "check_ring(cluster, my_ring)": "skip",
+        "cluster.close()": "skip",
+        "x = 1\nassert x == 1": "subslide",
+        "%%ranks\nprint(rank)": "subslide",
+        "plot()": "subslide",
+    }
+    for text, want in kinds.items():
+        assert deck_slide_type(_code(text)) == want, text
+        assert slide_type(_code(text)) == "subslide", f"RISE runs {text!r} live"
+    assert deck_slide_type(_code("x = 1", "solution")) == "skip"
+    assert slide_type(_md("## A heading")) == "slide"
+    assert slide_type(_md("Say this aloud.", "notes")) == "notes"
+    assert slide_type(_md("Plain text.")) == "-"
