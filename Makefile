@@ -129,6 +129,7 @@ test:
 
 lint: install
 	$(BIN)/ruff check labkit tests examples
+	$(BIN)/ruff check --line-length 79 --select E501 notebooks  # chapters' code fits a projector
 	$(BIN)/lint-imports --no-cache  # the layers contract in pyproject.toml
 
 # the browser test runs as its own step (below), after the chapters pass under nbval.
