@@ -40,10 +40,16 @@ SNAPSHOT_JS = """\
       if (!w.parentElement.closest(".jupyter-widgets")) { mark(w); }
     });
   }
-  new MutationObserver(scan).observe(document.documentElement,
-                                     {childList: true, subtree: true});
+  var pending = null;  // one scan per burst of changes (MathJax makes thousands)
+  function later() {
+    if (pending === null) {
+      pending = setTimeout(function () { pending = null; scan(); }, 250);
+    }
+  }
+  new MutationObserver(later).observe(document.documentElement,
+                                      {childList: true, subtree: true});
   document.addEventListener("DOMContentLoaded", scan);
-  scan();
+  later();
 })();
 """ % SNAPSHOT_NOTE
 
@@ -63,7 +69,7 @@ _SNAPSHOT_CSS = """\
 
 SITE_CSS = _SNAPSHOT_CSS + """\
 /* code wraps at the column instead of scrolling sideways, on screen and paper */
-div.cell div.highlight pre, div.cell_output pre, div.output pre {
+article pre, div.cell div.highlight pre, div.cell_output pre, div.output pre {
   white-space: pre-wrap; overflow-wrap: anywhere;
 }
 /* a slider needs room for its track beside its label; a row of controls

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit.cli import editions, page_assets, student
+from labkit.cli import editions, page_assets, references, student
 
 ROOT = Path(__file__).resolve().parents[2]
 MATHJAX = "mathjax/MathJax.js?config=TeX-AMS_CHTML-full,Safe"  # under _static/
@@ -95,6 +95,8 @@ guide for planning, not a measurement of a class.
 
 teaching
 glossary
+references
+formulas
 ```
 """
 
@@ -139,6 +141,25 @@ points are what `make nbgrader` gives it (the exercise cell's metadata).
 - **Grading**: `make nbgrader` writes an nbgrader course to `dist/nbgrader/`.
 - **A JupyterHub**: the README's "For lecturers" section sizes a server per
   student.
+"""
+
+REFERENCES = """\
+# References
+
+The works the chapters cite, with the chapters that cite them.
+
+{rows}
+"""
+
+FORMULAS = """\
+# Formula sheet
+
+The closed forms of `labkit.theory` that the chapters measure their ranks against,
+each as its docstring states it, with the works it follows and the chapters that
+call it (each such chapter asserts a measurement against it, or applies it at a
+published scale).
+
+{rows}
 """
 
 GLOSSARY = """\
@@ -204,9 +225,12 @@ def chapter(nb_path: Path) -> Chapter:
     nb = json.loads(nb_path.read_text(encoding="utf-8"))
     texts = _md(nb)
     prose = "\n".join(re.sub(r"```.*?```", "", t, flags=re.S) for t in texts)
-    exercise_text = next((t for t in texts if t.lstrip().startswith("## Exercises")),
-                         "")
-    names = re.findall(r"^\d+\.\s+\*\*(.+?)\*\*", exercise_text, flags=re.M)
+    start = next((k for k, t in enumerate(texts)
+                  if t.lstrip().startswith("## Exercises")), len(texts))
+    exercise_text = "\n".join(texts[start:])  # the list, or one cell an exercise
+    names = [bold or re.split(r"(?<=[.?:])\s", line)[0][:70]  # its bold title, or
+             for bold, line in re.findall(  # its first line's first sentence
+                 r"^\d+\.\s+(?:\*\*(.+?)\*\*.*|(.+))$", exercise_text, flags=re.M)]
     points = [student.points(c) for c in nb["cells"]
               if student.EXERCISE in student.tags(c)]
     names += [f"Exercise {k + 1}" for k in range(len(names), len(points))]
@@ -269,6 +293,53 @@ def glossary_page(chapters: list[Chapter]) -> str:
     return GLOSSARY.format(rows=rows)
 
 
+def _texts(notebooks: list[Path], kind: str) -> dict[str, str]:
+    """Chapter number -> the text of its cells of `kind` (markdown or code)."""
+    out = {}
+    for path in notebooks:
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        out[path.stem[:2]] = "\n".join("".join(c["source"]) for c in cells
+                                       if c["cell_type"] == kind)
+    return out
+
+
+def references_page(notebooks: list[Path]) -> str:
+    rows = "\n".join(f"- {ref} *Cited in chapter{'s' * (len(where) > 1)} "
+                     f"{', '.join(where)}.*"
+                     for ref, where in references.cited_in(_texts(notebooks,
+                                                                  "markdown")))
+    return REFERENCES.format(rows=rows)
+
+
+def closed_forms() -> list[tuple[str, str, str]]:
+    """(name, signature, docstring) of labkit.theory's public functions."""
+    import inspect
+
+    from labkit import theory
+
+    out = []
+    for name in sorted(theory.__all__):
+        f = getattr(theory, name)
+        if inspect.isfunction(f) and f.__doc__ and name not in ("check_counts",):
+            out.append((name, str(inspect.signature(f)), inspect.cleandoc(f.__doc__)))
+    return out
+
+
+def formula_page(notebooks: list[Path]) -> str:
+    code = _texts(notebooks, "code")
+    rows = []
+    for name, signature, doc in closed_forms():
+        used = [ch for ch, text in code.items() if re.search(rf"\b{name}\(", text)]
+        if not used:
+            continue
+        cites = [ref[:ref.index(")") + 1] for pattern, ref in references.REFERENCES
+                 if re.search(pattern, references.flat(doc))]
+        rows.append(f"**`{name}{signature}`** (chapter{'s' * (len(used) > 1)} "
+                    f"{', '.join(used)})\n\n```text\n{doc}\n```"
+                    + (f"\n\nFollows: {'; '.join(cites)}." if cites else ""))
+    return FORMULAS.format(rows="\n\n".join(rows))
+
+
 def write_project(executed: Path, src: Path, vendor: Path,
                   edition: str = "public") -> list[str]:
     """The Sphinx project in src: conf.py, the index, teaching and glossary pages,
@@ -290,6 +361,9 @@ def write_project(executed: Path, src: Path, vendor: Path,
     (src / "index.md").write_text(index_page(chapters, edition, repo_url))
     (src / "teaching.md").write_text(teaching_page(chapters))
     (src / "glossary.md").write_text(glossary_page(chapters))
+    notebooks = sorted((src / "notebooks").glob("*.ipynb"))
+    (src / "references.md").write_text(references_page(notebooks))
+    (src / "formulas.md").write_text(formula_page(notebooks))
     return [f"notebooks/{c.stem}" for c in chapters]
 
 

@@ -1,20 +1,20 @@
-"""`make slides` and `make book` opened with the network cut off, as in a lecture
-hall without Wi-Fi: Chromium may load file:// and localhost only, anything else is
+"""`make slides` and `make book` opened with the network cut off, as in a lecture hall
+without Wi-Fi: Chromium may load file:// and localhost only, anything else is
 aborted (and listed in the failure).
 
 The chapters come as they ran under nbval (_build/executed/, the conftest's
 `executed`: nothing is executed again), in their public edition (editions.py: no
 solutions). Chapter 02's slide deck (math, subslides, a widget with a figure),
 beside a copy of _build/vendor/ as the Makefile lays it out, opens from disk,
-navigates (next, down, overview) and MathJax typesets every formula (no raw
-`$...$` or `\\(...\\)` left in the text); on a 1280x720 screen every slide,
-the first included, fits or scrolls, and no code runs off its side. The book's
-site is built from every executed chapter and served on localhost: the walk goes
-from the index through every chapter by "next" to the lecturer's and glossary
+navigates (next, down, overview) and MathJax typesets every formula (no raw `$...$`
+or `\\(...\\)` left in the text); on a 1280x720 screen every slide, the first
+included, fits or scrolls, and no code runs off its side. The book's site is built
+from every executed chapter and served on localhost: the walk goes from the index
+through every chapter by "next" to the lecturer's, glossary, references and formula
 pages, chapter 02 shows its math, every chapter that stored widgets shows their
-figures, marked as snapshots with their controls disabled, no code block runs
-off the side of the page, and no solution is on a page or in a page's download;
-search finds pages.
+figures, marked as snapshots with their controls disabled, no code block runs off
+the side of the page, and no solution is on a page or in a page's download; search
+finds pages.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def test_book_walks_from_the_index_to_the_last_chapter_offline(book, site_dir, o
     listed = page.locator("article .toctree-wrapper a.reference").all_inner_texts()
     want = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
     assert [t.split(" ")[0] for t in listed] == [w[:2] for w in want] + [
-        "Teaching", "Glossary"], listed
+        "Teaching", "Glossary", "References", "Formula"], listed
     article = page.inner_text("article")
     assert "how large models are trained" in article and "Prerequisites" in article
     page.screenshot(path=str(shots / "book_index.png"))
@@ -226,7 +226,8 @@ def test_book_walks_from_the_index_to_the_last_chapter_offline(book, site_dir, o
         wide = page.evaluate(CLIPPED_JS)
         if wide:
             clipped[walked[-1]] = wide
-    assert walked == want + ["teaching", "glossary"], f"index, then next: {walked}"
+    assert walked == want + ["teaching", "glossary", "references", "formulas"], (
+        f"index, then next: {walked}")
     assert not clipped, f"code blocks that run off the page's side: {clipped}"
     assert figures == sorted(widgets), f"pages whose widgets' figures show: {figures}"
     assert page.locator("a.left-prev").count(), "the last chapter links back"

@@ -1,0 +1,78 @@
+"""The site's own pages (labkit/cli/site.py), built from the chapters: what the
+landing page, the lecturer's page, the glossary, the references and the formula
+sheet say is what the notebooks hold."""
+
+import json
+import re
+from pathlib import Path
+
+from labkit.cli import references, site, student
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def _cells(path):
+    return json.loads(path.read_text(encoding="utf-8"))["cells"]
+
+
+def test_every_citation_has_a_full_reference_and_every_reference_a_citation():
+    texts = site._texts(NOTEBOOKS, "markdown")
+    assert references.unknown_citations(texts) == [], (
+        "author-year citations with no entry in labkit/cli/references.py")
+    uncited = [ref for ref, where in references.cited_in(texts) if not where]
+    assert uncited == [], f"references no chapter cites: {uncited}"
+    page = site.references_page(NOTEBOOKS)
+    assert page.count("\n- ") == len(references.REFERENCES)
+    assert "arXiv:2104.04473" in page and "Cited in chapters 09, 10, 13" in page
+
+
+def test_a_citation_the_list_lacks_is_found():
+    texts = {"99": "as shown (Nobody et al. 2031, sec. 2), and (Llama Team 2024)"}
+    assert references.unknown_citations(texts) == ["99: Nobody et al. 2031"]
+
+
+def test_teaching_page_lists_every_exercise_with_its_points():
+    chapters = [site.chapter(p) for p in NOTEBOOKS]
+    for path, ch in zip(NOTEBOOKS, chapters):
+        stubs = [c for c in _cells(path) if student.EXERCISE in student.tags(c)]
+        assert [p for _, p in ch.exercises] == [student.points(c) for c in stubs]
+        assert not any(name.startswith(("Exercise ", "*")) for name, _ in ch.exercises
+                       ), f"{path.stem}: exercises named {ch.exercises}"
+    page = site.teaching_page(chapters)
+    rows = re.findall(r"^\| \d\d \| .+ \| [\d.]+ \|$", page, flags=re.M)
+    assert len(rows) == sum(len(c.exercises) for c in chapters) >= 40
+    long = [c for c in chapters if c.sessions > 1]
+    assert long and all(f"{c.title} (part 2 of" in page for c in long)
+    assert all(c.objectives for c in chapters), "each chapter lists its sections"
+
+
+def test_glossary_holds_every_chapters_terms():
+    chapters = [site.chapter(p) for p in NOTEBOOKS]
+    page = site.glossary_page(chapters)
+    for c in chapters:
+        assert c.glossary, f"{c.stem} has no glossary table"
+        for english, chinese in c.glossary:
+            assert f"| {english.replace('|', chr(92) + '|')} | {chinese}" in page
+
+
+def test_formula_sheet_has_every_closed_form_a_chapter_calls():
+    page = site.formula_page(NOTEBOOKS)
+    code = site._texts(NOTEBOOKS, "code")
+    called = {name for name, _, _ in site.closed_forms()
+              if any(re.search(rf"\b{name}\(", t) for t in code.values())}
+    assert called >= {"ring_bytes_per_rank", "zero_memory", "expert_traffic",
+                      "context_parallel_traffic", "pipeline_bubble"}
+    for name in called:
+        assert f"**`{name}(" in page, name
+    assert "Follows: Korthikanti" in page
+
+
+def test_landing_page_says_what_the_course_is():
+    chapters = [site.chapter(p) for p in NOTEBOOKS]
+    page = site.index_page(chapters, "public", None)
+    for words in ("For whom", "Prerequisites", "Get it", "Start", "make lab"):
+        assert words in page
+    assert len(re.findall(r"^\| \[", page, flags=re.M)) == len(NOTEBOOKS)
+    assert "https://example.org/lab" in site.index_page(chapters, "public",
+                                                        "https://example.org/lab")
