@@ -74,9 +74,8 @@ article pre, div.cell div.highlight pre, div.cell_output pre, div.output pre {
 }
 /* a slider needs room for its track beside its label; a row of controls
    wider than the column wraps */
-.widget-slider .slider-container { min-width: 10em; flex: 1 1 auto; }
+.widget-slider .slider-container { min-width: 6em; flex: 1 1 auto; }
 .jupyter-widgets.widget-hbox { flex-wrap: wrap; row-gap: 0.3em; }
-.widget-slider .widget-readout { min-width: 4.5em; }
 """
 
 DECK_CSS = _SNAPSHOT_CSS + """\
