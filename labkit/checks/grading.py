@@ -13,7 +13,7 @@
   grading switched off, is put back and the test fails, naming it.
 
 Answer cells run in the interpreter the checks run in: this guards labkit's own
-names, not Python's import machinery (README, For lecturers). Imports nothing of
+names, not Python's import machinery (docs/teaching.md). Imports nothing of
 labkit at import time.
 """
 

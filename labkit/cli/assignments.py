@@ -235,5 +235,5 @@ def nbgrader_course(out: str | Path | None = None,
         print(f"wrote {path}: {n} exercise{'s' * (n != 1)}, {auto:g} points "
               f"autograded{by_hand}")
     print(f"then: cd {out} && nbgrader generate_assignment <chapter> "
-          "(nbgrader's own steps from there; README, For lecturers)")
+          "(nbgrader's own steps from there; docs/teaching.md)")
     return 0

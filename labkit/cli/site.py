@@ -139,8 +139,9 @@ points are what `make nbgrader` gives it (the exercise cell's metadata).
 - **Student edition**: `make student` writes the notebooks without solutions or
   outputs to `dist/student/`.
 - **Grading**: `make nbgrader` writes an nbgrader course to `dist/nbgrader/`.
-- **A JupyterHub**: the README's "For lecturers" section sizes a server per
-  student.
+- **A JupyterHub**: the repository's `docs/servers.md` sizes a server per
+  student (memory, threads, isolation, idle ranks); `docs/teaching.md` has
+  every recipe in full.
 """
 
 REFERENCES = """\

@@ -31,13 +31,16 @@ from labkit.theory.layout import (
     PUBLISHED_RUNS,
     WASTEFUL_MFU,
     ClusterSpec,
+    Layout,
     choose,
     estimate,
     explain,
     find,
     flops_per_token,
     gemm_time,
+    group_nodes,
     layer_gemms,
+    params_per_device,
     ring_latency,
     scale,
 )
@@ -100,8 +103,9 @@ __all__ += ["LayerParams", "LayerTraffic", "activation_terms", "layer_params",
             "layer_traffic", "zero_bubble_h1"]
 # the layout calculator (labkit.theory.layout): what chapters and other layers use
 __all__ += ["A100_SELENE", "H100_NODE", "LLAMA3_CLUSTER", "PUBLISHED_RUNS",
-            "WASTEFUL_MFU", "ClusterSpec", "choose", "estimate", "explain", "find",
-            "flops_per_token", "gemm_time", "layer_gemms", "ring_latency", "scale"]
+            "WASTEFUL_MFU", "ClusterSpec", "Layout", "choose", "estimate", "explain",
+            "find", "flops_per_token", "gemm_time", "group_nodes", "layer_gemms",
+            "params_per_device", "ring_latency", "scale"]
 # for chapters and the layers above (tests/test_public_faces.py)
 __all__ += ["RECOMPUTE", "SCORE_TERMS", "TERM_GROUP", "check_counts", "hardware"]
 __all__ += ["CP_METHODS", "ContextTraffic", "allgather_traffic",

@@ -194,7 +194,7 @@ WIDGET_NB = {
                    "JupyterLab 4.3 and cannot load jupyterlab_widgets 3.0.17's "
                    "manager (it needs @jupyterlab/console): a widget shows as its "
                    "text repr. Strict: this fails once a release fixes it, so "
-                   "README's lecturer section can drop its caveat.")
+                   "docs/teaching.md can drop its caveat.")
 def test_a_widget_renders_in_the_slideshow(lab, browser, shots):
     (lab.root / "selftest").mkdir(exist_ok=True)
     (lab.root / "selftest" / "widget.ipynb").write_text(json.dumps(WIDGET_NB))
