@@ -42,6 +42,7 @@ html_css_files = ["labkit.css"]
 html_js_files = ["labkit.js"]
 html_theme_options = {{"show_navbar_depth": 1, "home_page_in_toc": True{repo}}}
 html_show_sourcelink = False
+html_use_index = False  # no general index: the chapters define no index entries
 mathjax_path = {mathjax!r}
 # MyST-NB marks a chapter's text "ignore" and its formulas' spans "math"
 mathjax2_config = {{"tex2jax": {{"processClass": "tex2jax_process|math|output_area"}}}}

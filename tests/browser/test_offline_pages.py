@@ -229,6 +229,7 @@ def test_book_walks_from_the_index_to_the_last_chapter_offline(book, site_dir, o
     assert walked == want + ["teaching", "glossary", "references", "formulas"], (
         f"index, then next: {walked}")
     assert not clipped, f"code blocks that run off the page's side: {clipped}"
+    assert not (site_dir / "book" / "genindex.html").exists(), "an empty index page"
     assert figures == sorted(widgets), f"pages whose widgets' figures show: {figures}"
     assert page.locator("a.left-prev").count(), "the last chapter links back"
     _check_loaded_alone(page)
