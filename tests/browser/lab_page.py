@@ -281,7 +281,8 @@ def open_saved(page, lab, path: str, nb: dict) -> list[str]:
 VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 
 
-def stored_widgets(page, nb: dict, seconds: float = WIDGET_SECONDS) -> int:
+def stored_widgets(page, nb: dict, seconds: float = 2 * WIDGET_SECONDS) -> int:
+    # 2x: a large stored state, on 2 cores the other browser worker also uses
     """Every widget a cell's saved output shows is drawn from the notebook's stored
     state, its figures loaded; returns how many. A widget whose state was not
     stored shows as an error or as its text instead."""
