@@ -384,13 +384,13 @@ def test_misuse_on_ranks_raises_clear_errors_and_hooks_go_away(cluster):
 
 
 def test_first_bucket_cap_starts_the_first_all_reduce_early():
-    from labkit.parallel.data_parallel import _make_buckets
+    from labkit.parallel.data_parallel import make_buckets
 
     mib = 2**20
     sizes = [("a", 2 * mib), ("b", 3 * mib), ("c", 1 * mib), ("d", 1 * mib)]
     named = [(n, torch.empty(b // 4)) for n, b in sizes]
-    plain = _make_buckets(named, cap=4 * mib)
-    early = _make_buckets(named, cap=4 * mib, first_cap=1 * mib)
+    plain = make_buckets(named, cap=4 * mib)
+    early = make_buckets(named, cap=4 * mib, first_cap=1 * mib)
     assert [b.names for b in plain] == [["a", "b"], ["c", "d"]]
     assert [b.names for b in early] == [["a"], ["b", "c"], ["d"]]
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from labkit.cli import atomic
 from labkit.cli.nbclean import deck_slide_type
-from labkit.cli.student import _CHECK_CALL, EXERCISE, SOLUTION, source, tags
+from labkit.cli.student import CHECK_CALL, EXERCISE, SOLUTION, source, tags
 
 EDITIONS = ("public", "lecturer")
 SOLUTION_LABEL = "**Solution** (lecturer edition: not in the public site or decks)"
@@ -44,7 +44,7 @@ def _answers_check(cells: list[dict], i: int) -> bool:
     """Whether cell i is an exercise's check: a code cell calling check_...()
     that follows a solution (the layout student.layout_problems enforces)."""
     c = cells[i]
-    return (c["cell_type"] == "code" and bool(_CHECK_CALL.search(source(c)))
+    return (c["cell_type"] == "code" and bool(CHECK_CALL.search(source(c)))
             and any(SOLUTION in tags(p) for p in cells[max(0, i - 2):i]))
 
 
@@ -58,8 +58,14 @@ def public(nb: dict) -> dict:
                                          or _answers_check(cells, i)):
             c = _without_outputs(c)
         out.append(c)
+    return _with_cells(nb, out)
+
+
+def _with_cells(nb: dict, cells: list[dict]) -> dict:
+    """A copy of `nb` holding `cells` (its metadata, widgets' state included,
+    kept: student.with_cells drops that state, which the site draws)."""
     return {**copy.deepcopy({k: v for k, v in nb.items() if k != "cells"}),
-            "cells": out}
+            "cells": copy.deepcopy(cells)}
 
 
 def lecturer(nb: dict) -> dict:
@@ -70,8 +76,7 @@ def lecturer(nb: dict) -> dict:
             out.append({"cell_type": "markdown", "id": f"{c.get('id', 'x')}-label",
                         "metadata": {}, "source": [SOLUTION_LABEL]})
         out.append(c)
-    return {**copy.deepcopy({k: v for k, v in nb.items() if k != "cells"}),
-            "cells": copy.deepcopy(out)}
+    return _with_cells(nb, out)
 
 
 def write(executed: Path, out: Path, edition: str) -> list[Path]:

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXERCISE, SOLUTION, RAISES = "exercise", "solution", "raises-exception"
 RECORD = ".labkit-student.json"  # in the edition's folder: what the build wrote
 _IMAGE_LINK = re.compile(r"""(\]\(\s*<?|src\s*=\s*["'])\.\./images/""")
-_CHECK_CALL = re.compile(r"\bcheck_\w*\s*\(")
+CHECK_CALL = re.compile(r"\bcheck_\w*\s*\(")
 
 
 def points(cell: dict):
@@ -115,7 +115,7 @@ def layout_problems(nb: dict, name: str = "notebook") -> list[str]:
                            "so the check would see the stub")
             nxt = cells[i + 1] if i + 1 < len(cells) else None
             if (nxt is None or nxt["cell_type"] != "code" or tags(nxt)
-                    or not _CHECK_CALL.search(source(nxt))):
+                    or not CHECK_CALL.search(source(nxt))):
                 out.append(f"{name} cell {i}: a code `solution` not followed by an "
                            "untagged check cell (a call to labkit.checks' check_...)")
     return out

@@ -58,9 +58,9 @@ from torch.utils._pytree import tree_leaves
 from labkit.ledger import Span, count_as, recording
 from labkit.parallel import guards
 from labkit.parallel.data_parallel_buckets import (
-    _Bucket,
-    _completed_at,
-    _make_buckets,
+    Bucket,
+    completed_at,
+    make_buckets,
     pack,
     pack_bits,
     unpack,
@@ -118,7 +118,7 @@ class DataParallel(torch.nn.Module):
         self._ids = frozenset(id(p) for _, p in trainable)
         cap = None if bucket_mb is None else bucket_mb * 2**20
         first = None if first_bucket_mb is None else first_bucket_mb * 2**20
-        self._buckets = _make_buckets(trainable[::-1], cap, first)
+        self._buckets = make_buckets(trainable[::-1], cap, first)
         self._names = [n for b in self._buckets for n in b.names]  # by index
         self._used = bytearray(len(self._names))  # backward reached it this step
         self._next = 0  # the next bucket to send (in order, as DDP)
@@ -299,7 +299,7 @@ class DataParallel(torch.nn.Module):
         self._spans.append(Span("compute", "backward", self._compute_start,
                                 time.perf_counter()))
 
-    def _grad_ready(self, b: _Bucket, index: int) -> None:
+    def _grad_ready(self, b: Bucket, index: int) -> None:
         self._backward_started()
         self._used[index] = 1
         if self.mode != "overlap" or not self._sync:  # all wait for finish
@@ -312,7 +312,7 @@ class DataParallel(torch.nn.Module):
                and buckets[self._next].ready == len(buckets[self._next].params)):
             self._launch(buckets[self._next])
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, b: Bucket) -> None:
         """Send bucket b. Every rank sends every bucket, in order, once a step: a
         gradient this rank did not make goes as zeros (its part of the sum)."""
         self._next = b.index + 1
@@ -338,9 +338,9 @@ class DataParallel(torch.nn.Module):
         else:
             b.work = dist.all_reduce(b.flat, group=self.group, async_op=True)
         # completion time: the future's callback runs on the thread that finishes it
-        b.done = b.work.get_future().then(_completed_at)
+        b.done = b.work.get_future().then(completed_at)
 
-    def _average(self, b: _Bucket) -> None:
+    def _average(self, b: Bucket) -> None:
         if self.mode == "parameter_server":
             if self.rank != 0:  # a worker does not hold the average
                 for p in b.params:
@@ -407,7 +407,7 @@ def _ranks(ranks: list[int]) -> str:
             else "ranks " + ", ".join(map(str, ranks)))
 
 
-def _on_grad(ref, bucket: _Bucket, index: int, param: torch.Tensor) -> None:
+def _on_grad(ref, bucket: Bucket, index: int, param: torch.Tensor) -> None:
     dp = ref()
     if dp is not None:
         dp._grad_ready(bucket, index)

@@ -11,7 +11,7 @@ import torch
 
 
 @dataclass(eq=False)
-class _Bucket:
+class Bucket:
     """Gradients sent together, and their collective while it is in flight."""
 
     index: int
@@ -61,13 +61,15 @@ def unpack_bits(packed: torch.Tensor, n: int) -> list[bool]:
     return ((packed.unsqueeze(1) & _BITS) != 0).reshape(-1)[:n].tolist()
 
 
-def _completed_at(fut) -> float:
+def completed_at(fut) -> float:
+    """A collective's future -> when it completed (time.perf_counter()); chained
+    with .then() by DataParallel's buckets and FSDP's units alike."""
     fut.value()  # re-raises a failed collective's error
     return time.perf_counter()
 
 
-def _make_buckets(named, cap: float | None,
-                  first_cap: float | None = None) -> list[_Bucket]:
+def make_buckets(named, cap: float | None,
+                  first_cap: float | None = None) -> list[Bucket]:
     """Fill buckets in order; close one once it holds >= cap bytes (DDP's rule;
     the first bucket >= first_cap, so the first all-reduce starts early)."""
     groups: list[list] = []
@@ -80,5 +82,5 @@ def _make_buckets(named, cap: float | None,
             size = 0.0
         groups[-1].append((name, p))
         size += p.numel() * p.element_size()
-    return [_Bucket(i, [p for _, p in g], [n for n, _ in g])
+    return [Bucket(i, [p for _, p in g], [n for n, _ in g])
             for i, g in enumerate(groups)]

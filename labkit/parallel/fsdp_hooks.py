@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from labkit.ledger import Span, count_as
+from labkit.parallel.data_parallel_buckets import completed_at
 from labkit.parallel.reduce_scatter import send_chunks, sum_chunks
 
 
@@ -155,7 +156,7 @@ def issue_gather(u: Unit, group) -> None:
                                               async_op=True))
         u.flats.append((ps, flat))
     futures = torch.futures.collect_all([w.get_future() for w in u.works])
-    u.done = futures.then(_completed_at)
+    u.done = futures.then(completed_at)
     u.state = "gathering"
 
 
@@ -188,11 +189,6 @@ def free(u: Unit) -> None:
     u.state = "free"
 
 
-def _completed_at(fut) -> float:
-    fut.value()  # re-raises a failed collective's error
-    return time.perf_counter()
-
-
 @dataclass(eq=False)
 class Reduction:
     """One unit's reduce-scatter in flight: its parameters, sent, received, when."""
@@ -221,7 +217,7 @@ def launch_reduce(params: list, group, n: int, name: str) -> list:
         t0 = time.perf_counter()
         got, work = send_chunks(send.view(-1), group, category="Temp", async_op=True)
         out.append(Reduction(ps, send, got, work,
-                             work.get_future().then(_completed_at), t0, name))
+                             work.get_future().then(completed_at), t0, name))
     return out
 
 

@@ -203,7 +203,7 @@ def step_shape(model: ModelConfig, layout: Layout, cluster: ClusterSpec,
                      stage_moe_layers=-(-moe_layers // layout.pp))
 
 
-def _folded_spans(layout: Layout, gpus_per_node: int) -> dict[str, tuple[int, int]]:
+def _folded_spans(layout: Layout) -> dict[str, tuple[int, int]]:
     """(stride, size) of each group of a folded layout, ranks numbered TP, CP,
     DP, PP fastest first: an EP group is every etp-th of etp·ep consecutive
     ranks, the experts' data-parallel group the stride etp·ep beyond it."""
@@ -223,7 +223,7 @@ def groups_in_node(layout: Layout, gpus_per_node: int) -> dict[str, bool]:
     ORDER's first dimension fastest (folded: TP, CP, DP, PP)."""
     if layout.folded:
         return {dim: _nodes(*span, gpus_per_node) == 1
-                for dim, span in _folded_spans(layout, gpus_per_node).items()
+                for dim, span in _folded_spans(layout).items()
                 if dim in DIMS}
     degree = {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "pp": layout.pp,
               "dp": max(1, layout.dp * layout.cp // layout.ep // layout.cp)}
@@ -243,7 +243,7 @@ def group_nodes(layout: Layout, gpus_per_node: int) -> dict[str, int]:
     in a node. Folded layouts: _folded_spans."""
     if layout.folded:
         return {dim: _nodes(*span, gpus_per_node)
-                for dim, span in _folded_spans(layout, gpus_per_node).items()}
+                for dim, span in _folded_spans(layout).items()}
     rest = max(1, layout.dp // layout.ep)
     degree = {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "pp": layout.pp,
               "dp": rest}
