@@ -1,9 +1,11 @@
 """labkit.viz.widgets, headless: set a control's value, read back what was drawn."""
 
+import ipywidgets as W
 import pytest
 
 from labkit import theory, viz
 from labkit.viz import widgets
+from labkit.viz.widgets import LIVE_CLASS
 
 
 def test_ring_stepper_headless():
@@ -17,19 +19,6 @@ def test_ring_stepper_headless():
     w.step.value = 30
     assert (w.last.phase, w.last.step) == ("all-gather", 15)
     assert len(w.last.holds) == 16
-
-
-@pytest.fixture
-def drawn(monkeypatch):
-    """The figures the ZeRO explorer draws, captured as it draws them."""
-    figs, draw = [], widgets.zero_bars
-
-    def keep(*a, **kw):
-        figs.append(draw(*a, **kw))
-        return figs[-1]
-
-    monkeypatch.setattr(widgets, "zero_bars", keep)
-    return figs
 
 
 def _gb_bars(fig):
@@ -52,12 +41,12 @@ def test_zero_explorer_headless():
     assert "ZeRO-1 keeps" in w.info.value
 
 
-def test_zero_explorer_follows_precision_and_k(drawn):
+def test_zero_explorer_follows_precision_and_k():
     # Ψ = 7.5e9 on N = 64. fp32 params and grads (4 + 4) with K = 12: DP 20Ψ = 150
     # GB; ZeRO-1 8Ψ + 12Ψ/64 = 61.40625; ZeRO-2 4Ψ + 16Ψ/64 = 31.875; ZeRO-3 20Ψ/64
     w = viz.zero_explorer()
     w.precision.value = "fp32"
-    assert _gb_bars(drawn[-1]) == pytest.approx([150.0, 61.40625, 31.875, 2.34375])
+    assert _gb_bars(w.figure) == pytest.approx([150.0, 61.40625, 31.875, 2.34375])
     assert [v.total for v in w.last.values()] == pytest.approx(
         [theory.zero_memory(7.5e9, 64, s, 12, param_bytes=4, grad_bytes=4)
          for s in range(4)])
@@ -65,10 +54,10 @@ def test_zero_explorer_follows_precision_and_k(drawn):
     assert "<b>2.34 GB</b>" in w.info.value and "sends 88.59 GB" in w.info.value
     # fp32 Adam (K = 8): the 16 bytes per parameter of bytes_per_param("adam", "fp32")
     w.k.value = 8
-    assert _gb_bars(drawn[-1]) == pytest.approx([120.0, 60.9375, 31.40625, 1.875])
+    assert _gb_bars(w.figure) == pytest.approx([120.0, 60.9375, 31.40625, 1.875])
     # back to bf16 (2 + 2) with K = 8: 12Ψ = 90 GB for DP; traffic halves to 44.30 GB
     w.precision.value = "mixed"
-    assert _gb_bars(drawn[-1]) == pytest.approx([90.0, 30.9375, 16.171875, 1.40625])
+    assert _gb_bars(w.figure) == pytest.approx([90.0, 30.9375, 16.171875, 1.40625])
     assert w.last["DP"].total == pytest.approx(90e9)
     assert "<b>1.41 GB</b>" in w.info.value and "sends 44.30 GB" in w.info.value
 
@@ -143,3 +132,55 @@ def test_ring_stepper_says_one_chunk():
     w = viz.ring_stepper(4)
     w.step.value = 1
     assert "has sent 1 chunk of M/4" in w.info.value
+
+
+
+def _static_view(w, values):
+    """What a page with no kernel shows once its live controls hold `values`
+    ({control: value of the linked trait}): follow each browser-side link from
+    its control to its stacks, as the widget manager would, and return the
+    caption of the state then selected, or None if that state is not drawn."""
+    index = {}
+    for link in w.pages.links:
+        (control, trait), (stack, _) = link.source, link.target
+        index[stack.model_id] = values.get(control, getattr(control, trait))
+    node = w.pages
+    while not isinstance(node.children[0], W.HTML):
+        node = node.children[index[node.model_id]]
+    html = node.children[0].value
+    return html or None
+
+
+def test_ring_stepper_steps_work_without_a_kernel():
+    # every step of N = 4 is drawn ahead and the step slider selects it in the
+    # browser; the caption a page shows for step k is the kernel's for step k
+    w = viz.ring_stepper(4)
+    assert w.step.value == 0
+    shown = {k: _static_view(w, {w.step: k}) for k in range(7)}
+    for k in range(7):
+        assert f"after step {k} of 6" in shown[k], (k, shown[k])
+        w.step.value = k
+        assert w.info.value == shown[k]
+    assert LIVE_CLASS not in w.n._dom_classes and LIVE_CLASS in w.step._dom_classes
+    # a new N (kernel only) draws its steps as they are shown
+    w.n.value = 6
+    assert _static_view(w, {w.step: 9}) is None
+    w.step.value = 9
+    assert "after step 9 of 10" in _static_view(w, {w.step: 9})
+
+
+def test_zero_explorer_stage_and_precision_work_without_a_kernel():
+    w = viz.zero_explorer(params=7.5e9, n=64, stage=2)
+    static = {(p, s): _static_view(w, {w.precision: p, w.stage: s})
+              for p in range(2) for s in range(4)}
+    assert all(static.values()), "every stage and precision drawn ahead"
+    for (p, s), caption in static.items():  # the page agrees with the kernel
+        w.precision.index, w.stage.value = p, s
+        assert w.info.value == caption, ((p, s), caption, w.info.value)
+        assert f"{widgets.STAGES[s]} keeps" in caption
+    assert LIVE_CLASS in w.stage._dom_classes + w.precision._dom_classes
+    assert LIVE_CLASS not in w.n._dom_classes + w.params._dom_classes
+    # N moved in a kernel: the states drawn for the old N are dropped, not shown
+    w.n.value = 8
+    assert _static_view(w, {w.precision: 0, w.stage: 0}) is None
+    assert "on N = 8" in w.info.value

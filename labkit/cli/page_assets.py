@@ -3,21 +3,29 @@ site (labkit/cli/site.py) and the slide decks (vendor.py's deck template).
 
 - Code wraps instead of running off the side (a 1280 px projector, print).
 - A widget on a static page is a snapshot of the run that built the page: no
-  kernel answers its controls. So its controls are disabled and a line above
-  it says so, rather than a slider that moves while its figure does not.
+  kernel answers its controls. Controls whose states were drawn ahead
+  (labkit.viz.widgets.LIVE_CLASS) keep working, switched in the browser; the
+  others are disabled, and a line atop the widget says which is which,
+  rather than a slider that moves while its figure does not.
 - Decks: slides taller than the screen scroll from the first slide on (reveal's
   own hook runs only when the slide changes), at a readable size.
 """
 
 from __future__ import annotations
 
+from labkit.viz.widgets import LIVE_CLASS
+
 SNAPSHOT_NOTE = ("Snapshot of the run that built this page: run the chapter in "
                  "JupyterLab (make lab) to move these controls.")
+PARTLY_LIVE_NOTE = ("Drawn when this page was built: the outlined controls work "
+                    "here; run the chapter in JupyterLab (make lab) to move the "
+                    "others.")
 
-# the outermost widget of each output; its controls disabled, a line above it
+# the outermost widget of each output: controls not drawn ahead disabled, a
+# line atop it
 SNAPSHOT_JS = """\
 (function () {
-  var NOTE = %r;
+  var NOTE = %r, PARTLY = %r, LIVE = %r;
   var CONTROLS = "input, select, button, textarea, .noUi-target";
   function mark(root) {
     if (root.dataset.labkitSnapshot) { return; }
@@ -25,15 +33,19 @@ SNAPSHOT_JS = """\
     if (!controls.length) { return; }
     root.dataset.labkitSnapshot = "1";
     root.classList.add("labkit-snapshot");
+    var live = 0;
     controls.forEach(function (c) {
+      if (c.closest("." + LIVE)) { live += 1; return; }
       c.setAttribute("disabled", "");
       c.setAttribute("aria-disabled", "true");
       c.setAttribute("tabindex", "-1");
     });
     var badge = document.createElement("div");
     badge.className = "labkit-snapshot-badge";
-    badge.textContent = NOTE;
-    root.parentNode.insertBefore(badge, root);
+    badge.textContent = live ? PARTLY : NOTE;
+    // inside the widget's own column: its parent may lay children in a row
+    // or a table (a deck puts the Out[] prompt beside it)
+    root.insertBefore(badge, root.firstChild);
   }
   function scan() {
     document.querySelectorAll(".jupyter-widgets").forEach(function (w) {
@@ -51,21 +63,22 @@ SNAPSHOT_JS = """\
   document.addEventListener("DOMContentLoaded", scan);
   later();
 })();
-""" % SNAPSHOT_NOTE
+""" % (SNAPSHOT_NOTE, PARTLY_LIVE_NOTE, LIVE_CLASS)
 
 _SNAPSHOT_CSS = """\
 .labkit-snapshot-badge {
   font-size: 0.8em; color: #6a4a00; background: #fff4d6;
   border-left: 3px solid #e0a800; padding: 0.2em 0.6em; margin: 0.3em 0;
 }
-.labkit-snapshot .widget-slider, .labkit-snapshot .widget-dropdown,
-.labkit-snapshot .widget-toggle-buttons, .labkit-snapshot .widget-button,
-.labkit-snapshot .widget-play, .labkit-snapshot .widget-checkbox,
-.labkit-snapshot .widget-radio, .labkit-snapshot .widget-text,
-.labkit-snapshot .noUi-target {
+.labkit-snapshot :is(.widget-slider, .widget-dropdown, .widget-toggle-buttons,
+  .widget-button, .widget-play, .widget-checkbox, .widget-radio, .widget-text,
+  .noUi-target):not(.%(live)s, .%(live)s *) {
   pointer-events: none; opacity: 0.6;
 }
-"""
+.labkit-snapshot .%(live)s {
+  outline: 2px solid #e0a800; outline-offset: 2px; border-radius: 3px;
+}
+""" % {"live": LIVE_CLASS}
 
 SITE_CSS = _SNAPSHOT_CSS + """\
 /* code wraps at the column instead of scrolling sideways, on screen and paper */
@@ -87,6 +100,7 @@ DECK_CSS = _SNAPSHOT_CSS + """\
 }
 .reveal .jp-RenderedHTMLCommon table { font-size: 18px; }
 .reveal .highlight pre, .reveal .jp-OutputArea-output pre { font-size: 15px; }
+.reveal .labkit-snapshot-badge { font-size: 16px; }
 """
 
 # after reveal.js is up: the tall slides of the slide shown scroll, from the first

@@ -74,7 +74,8 @@ the lab tour; the chapters build on each other in order.
 
 The pages below are the chapters as they ran when this site was built, outputs
 included; the exercises are there without their solutions ({edition} edition).
-Widgets are snapshots of that run: to move their controls, run the chapter.
+Widgets are snapshots of that run: the outlined controls (a few whose states were
+all drawn then) work here; to move the others, run the chapter.
 
 | Chapter | Reading | Sessions of {session} min | Exercises |
 |---|---|---|---|

@@ -17,6 +17,10 @@ from labkit.units import GB
 from labkit.viz.diagrams import ring_grid
 from labkit.viz.theory_charts import placement_bars, zero_bars
 
+# the controls that work on a built page with no kernel (their states are drawn
+# ahead, see Pages); labkit.cli.page_assets leaves them enabled
+LIVE_CLASS = "labkit-live"
+
 
 def show_output(out: W.Output, obj) -> None:
     """Make `obj` the one output of `out`, set as widget state in the kernel: no
@@ -30,39 +34,134 @@ def show_output(out: W.Output, obj) -> None:
                     "metadata": metadata},)
 
 
+class Pages(W.Stack):
+    """A widget's states drawn ahead, one shown at a time: nested W.Stacks, one
+    level per control, each level's `selected_index` linked in the browser
+    (`jslink`) to its control. So on a static page (the site, a deck) those
+    controls switch the figure and its caption with no kernel behind them.
+
+    draw(key) -> (caption html, figure) draws the state at key, a tuple with
+    one index per level. In a kernel a state is drawn when first shown;
+    `fill()` draws them all (the widget's first state, the one a built page
+    keeps) and `forget()` drops them when another control changes them all."""
+
+    def __init__(self, sizes: tuple[int, ...], draw):
+        self.sizes, self._draw_state = tuple(sizes), draw
+        self.figures: dict[tuple, object] = {}
+        self.leaves: dict[tuple, W.VBox] = {}
+        self.links: list[W.Link] = []
+        super().__init__(self._build(()), selected_index=0)
+        self.key = (0,) * len(self.sizes)
+
+    def _build(self, prefix: tuple) -> list:
+        level = len(prefix)
+        if level == len(self.sizes) - 1:
+            for i in range(self.sizes[level]):
+                self.leaves[prefix + (i,)] = W.VBox([W.HTML(), W.Output()])
+            return [self.leaves[prefix + (i,)] for i in range(self.sizes[level])]
+        return [W.Stack(self._build(prefix + (i,)), selected_index=0)
+                for i in range(self.sizes[level])]
+
+    def stacks(self, level: int) -> list[W.Stack]:
+        """Every stack at `level` (0: this one)."""
+        found = [self]
+        for _ in range(level):
+            found = [c for s in found for c in s.children]
+        return found
+
+    def link(self, level: int, control: W.Widget, trait: str = "value") -> None:
+        """The browser shows state control.<trait> at `level`, kernel or not."""
+        for s in self.stacks(level):
+            self.links.append(W.jslink((control, trait), (s, "selected_index")))
+
+    def show(self, key: tuple) -> None:
+        """Select and, if not drawn yet, draw the state at key."""
+        key = tuple(key)
+        if key not in self.figures:
+            caption, fig = self._draw_state(key)
+            html, out = self.leaves[key].children
+            html.value = caption
+            show_output(out, fig)
+            self.figures[key] = fig
+        stack = self
+        for i in key:  # what jslink does in a browser, for a kernel on its own
+            stack.selected_index = i
+            stack = stack.children[i]
+        self.key = key
+
+    def fill(self) -> None:
+        """Draw every state, the shown one last (it stays shown)."""
+        shown = self.key
+        for key in self.leaves:
+            if key != shown:
+                self.show(key)
+        self.show(shown)
+
+    def forget(self) -> None:
+        """Drop every drawn state: another control has changed them all."""
+        for html, out in (leaf.children for leaf in self.leaves.values()):
+            html.value, out.outputs = "", ()
+        self.figures.clear()
+
+    @property
+    def caption(self) -> W.HTML:
+        return self.leaves[self.key].children[0]
+
+    @property
+    def figure(self):
+        return self.figures.get(self.key)
+
+
 class RingStepper(W.VBox):
-    """Step through ring all-reduce on N ranks (simulated), one chunk grid a step."""
+    """Step through ring all-reduce on N ranks (simulated), one chunk grid a
+    step. Every step of the first N is drawn ahead, so on a built page the step
+    slider works without a kernel; N needs one."""
 
     def __init__(self, n: int = 4, max_n: int = 16):
         self.n = W.IntSlider(value=n, min=2, max=max_n, description="ranks N",
                              continuous_update=False)
         self.step = W.IntSlider(value=0, min=0, max=2 * (n - 1), description="step")
-        self.info = W.HTML()
-        self.out = W.Output()
-        self.last = None  # the RingStep drawn last
-        self._steps = ring_steps(n)
+        self.step.add_class(LIVE_CLASS)
         self.n.observe(self._new_n, names="value")
         self.step.observe(self._draw, names="value")
-        super().__init__([W.HBox([self.n, self.step]), self.info, self.out])
-        self._draw()
+        self.pages = self._pages()
+        self.pages.fill()
+        super().__init__([W.HBox([self.n, self.step]), self.pages])
+
+    def _pages(self) -> Pages:
+        n = self.n.value
+        steps = self._steps = ring_steps(n)
+        pages = Pages((len(steps),), lambda key: self._state(n, steps, key[0]))
+        pages.link(0, self.step)
+        pages.show((self.step.value,))
+        return pages
+
+    @property
+    def info(self) -> W.HTML:
+        return self.pages.caption
+
+    @property
+    def last(self):
+        """The RingStep shown."""
+        return self._steps[self.pages.key[0]]
 
     def _new_n(self, change=None) -> None:
-        self._steps = ring_steps(self.n.value)
         self.step.max = 2 * (self.n.value - 1)
         self.step.value = min(self.step.value, self.step.max)
-        self._draw()
+        self.pages = self._pages()
+        self.children = [self.children[0], self.pages]
 
     def _draw(self, change=None) -> None:
-        st = self._steps[self.step.value]
-        self.last = st
-        n = self.n.value
-        sent = self.step.value * 1.0 / n
-        chunks = "chunk" if self.step.value == 1 else "chunks"
-        self.info.value = (f"after step {self.step.value} of {2 * (n - 1)}: each rank "
-                           f"has sent {self.step.value} {chunks} of M/{n} = "
-                           f"{sent:.3g}·M (the whole run: 2(N-1)/N·M = "
-                           f"{2 * (n - 1) / n:.3g}·M)")
-        show_output(self.out, ring_grid(st))
+        if self.step.value < len(self.pages.leaves):  # not while N shrinks
+            self.pages.show((self.step.value,))
+
+    @staticmethod
+    def _state(n: int, steps, k: int):
+        chunks = "chunk" if k == 1 else "chunks"
+        caption = (f"after step {k} of {2 * (n - 1)}: each rank has sent {k} "
+                   f"{chunks} of M/{n} = {k / n:.3g}·M (the whole run: "
+                   f"2(N-1)/N·M = {2 * (n - 1) / n:.3g}·M)")
+        return caption, ring_grid(steps[k])
 
 
 def ring_stepper(n: int = 4) -> RingStepper:
@@ -86,12 +185,18 @@ def _params_text(psi: float) -> str:
     return f"{psi / 1e9:,.3g} billion" if psi >= 1e9 else f"{psi / 1e6:,.3g} million"
 
 
+PRECISIONS = [("bf16 + fp32 master", "mixed"), ("fp32", "fp32")]
+STAGES = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+
+
 class ZeroExplorer(W.VBox):
     """Per-device model states for DP and ZeRO-1/2/3 side by side.
 
     Picking a model sets the Ψ slider to its parameter count; moving the slider
     away from it makes the model "custom". N takes any whole number (the smallest N
-    that fits is rarely a power of two), typed or slid."""
+    that fits is rarely a power of two), typed or slid. Every stage and precision
+    of the first Ψ, N and K is drawn ahead, so on a built page those two controls
+    work without a kernel."""
 
     def __init__(self, model: str = "custom", params: float = 7.5e9, n: int = 64,
                  k: int = 12, stage: int = 3, precision: str = "mixed"):
@@ -106,30 +211,53 @@ class ZeroExplorer(W.VBox):
                              continuous_update=False)
         self.stage = W.IntSlider(value=stage, min=0, max=3, description="stage",
                                  continuous_update=False)
-        self.precision = W.Dropdown(options=[("bf16 + fp32 master", "mixed"),
-                                             ("fp32", "fp32")], value=precision,
+        self.precision = W.Dropdown(options=PRECISIONS, value=precision,
                                     description="precision")
-        self.info = W.HTML()
-        self.out = W.Output()
-        self.last: dict[str, theory.ZeroMemory] = {}
-        self.figure = None  # the chart drawn last
+        for live in (self.stage, self.precision):
+            live.add_class(LIVE_CLASS)
+        self.pages = Pages((len(PRECISIONS), len(STAGES)), self._state)
+        self.pages.link(0, self.precision, "index")
+        self.pages.link(1, self.stage)
         self._syncing = False
         self.model.observe(self._on_model, names="value")
         self.params.observe(self._on_params, names="value")
-        for w in (self.n, self.k, self.stage, self.precision):
+        for w in (self.n, self.k):
+            w.observe(self._redraw, names="value")
+        for w in (self.stage, self.precision):
             w.observe(self._draw, names="value")
         super().__init__([W.HBox([self.model, self.precision]),
                           W.HBox([self.params, self.n]), W.HBox([self.k, self.stage]),
-                          self.info, self.out])
+                          self.pages])
         if model != "custom":
             self.model.value = model  # sets Ψ and draws
-        else:
-            self._draw()
+        self._draw()
+        self.pages.fill()
 
     def psi(self) -> float:
         if self.model.value == "custom":
             return self.params.value
         return float(theory.param_count(self.model.value))
+
+    @property
+    def info(self) -> W.HTML:
+        return self.pages.caption
+
+    @property
+    def figure(self):
+        """The chart shown."""
+        return self.pages.figure
+
+    @property
+    def last(self) -> dict[str, theory.ZeroMemory]:
+        """Each stage's model states at the precision shown."""
+        return self._breakdowns(self.precision.index)
+
+    def _breakdowns(self, precision: int) -> dict[str, theory.ZeroMemory]:
+        b = 2 if PRECISIONS[precision][1] == "mixed" else 4
+        return {lab: theory.zero_breakdown(self.psi(), self.n.value, s,
+                                           self.k.value, param_bytes=b,
+                                           grad_bytes=b)
+                for s, lab in enumerate(STAGES)}
 
     def _on_model(self, change=None) -> None:
         if self.model.value != "custom":
@@ -138,7 +266,7 @@ class ZeroExplorer(W.VBox):
                 self.params.value = self.psi()
             finally:
                 self._syncing = False
-        self._draw()
+        self._redraw()
 
     def _on_params(self, change=None) -> None:
         if self._syncing:
@@ -150,26 +278,31 @@ class ZeroExplorer(W.VBox):
             self.model.unobserve(self._on_model, names="value")
             self.model.value = "custom"  # a hand-picked Ψ is no longer that model
             self.model.observe(self._on_model, names="value")
+        self._redraw()
+
+    def _redraw(self, change=None) -> None:
+        """Ψ, N or K moved: every drawn state is out of date."""
+        self.pages.forget()
         self._draw()
 
     def _draw(self, change=None) -> None:
-        psi, n, k = self.psi(), self.n.value, self.k.value
-        b = 2 if self.precision.value == "mixed" else 4
-        labels = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
-        self.last = {lab: theory.zero_breakdown(psi, n, s, k, param_bytes=b,
-                                                grad_bytes=b)
-                     for s, lab in enumerate(labels)}
-        chosen = labels[self.stage.value]
-        mine = self.last[chosen].total
-        traffic = sum(theory.zero_traffic(psi, n, self.stage.value, b).values())
+        self.pages.show((self.precision.index, self.stage.value))
+
+    def _state(self, key: tuple[int, int]):
+        precision, stage = key
+        psi, n = self.psi(), self.n.value
+        last = self._breakdowns(precision)
+        chosen = STAGES[stage]
+        mine = last[chosen].total
+        b = 2 if PRECISIONS[precision][1] == "mixed" else 4
+        traffic = sum(theory.zero_traffic(psi, n, stage, b).values())
         fits = "fits" if mine <= DEVICE_MEMORY else "does not fit"
-        self.info.value = (
+        caption = (
             f"Ψ = {_params_text(psi)} parameters on N = {n}: {chosen} keeps "
             f"<b>{_gb(mine)} GB</b> of model state per device, which {fits} in "
             f"an {DEVICE_MEMORY / GB:,.0f} GB device (DP: "
-            f"{_gb(self.last['DP'].total)} GB), and sends {_gb(traffic)} GB per step.")
-        self.figure = zero_bars(self.last, highlight=chosen, capacity=DEVICE_MEMORY)
-        show_output(self.out, self.figure)
+            f"{_gb(last['DP'].total)} GB), and sends {_gb(traffic)} GB per step.")
+        return caption, zero_bars(last, highlight=chosen, capacity=DEVICE_MEMORY)
 
 
 def zero_explorer(**kw) -> ZeroExplorer:

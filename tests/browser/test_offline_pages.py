@@ -6,15 +6,19 @@ The chapters come as they ran under nbval (_build/executed/, the conftest's
 `executed`: nothing is executed again), in their public edition (editions.py: no
 solutions). Chapter 02's slide deck (math, subslides, a widget with a figure),
 beside a copy of _build/vendor/ as the Makefile lays it out, opens from disk,
-navigates (next, down, overview) and MathJax typesets every formula (no raw `$...$`
+navigates (next, down, overview), its ring stepper's step slider works with no
+kernel (dragged through every step, each shows its own state), and MathJax
+typesets every formula (no raw `$...$`
 or `\\(...\\)` left in the text); on a 1280x720 screen every slide, the first
 included, fits or scrolls, and no code runs off its side. The book's site is built
 from every executed chapter and served on localhost: the walk goes from the index
 through every chapter by "next" to the lecturer's, glossary, references and formula
 pages, chapter 02 shows its math, every chapter that stored widgets shows their
-figures, marked as snapshots with their controls disabled, no code block runs off
-the side of the page, and no solution is on a page or in a page's download; search
-finds pages.
+figures; a widget's controls are disabled and it is marked a snapshot, except
+controls whose states were drawn ahead (chapter 02's ring step, the ZeRO
+explorer's stage and precision), which are moved through every value and must
+show the state they name; no code block runs off the side of the page, and no
+solution is on a page or in a page's download; search finds pages.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ import pytest
 
 from labkit.cli import editions, vendor
 from labkit.cli import site as course_site
-from labkit.cli.page_assets import SNAPSHOT_NOTE
+from labkit.cli.page_assets import PARTLY_LIVE_NOTE, SNAPSHOT_NOTE
 from labkit.cli.student import SOLUTION, source, tags
+from labkit.viz.widgets import LIVE_CLASS, STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTER = ROOT / "notebooks" / "02_ring_allreduce.ipynb"
@@ -154,9 +159,24 @@ def test_slides_navigate_and_typeset_offline(deck, offline, shots):
                                timeout=SECONDS * 1000)
         moves.append(page.evaluate("location.hash"))
     assert moves == ["#/1", "#/1/1"], f"next, down went to {moves}"
+    page.wait_for_selector(".labkit-snapshot", state="attached",
+                           timeout=SECONDS * 1000)
+    page.evaluate(TO_WIDGET_JS)  # the slide with the ring stepper
+    page.wait_for_timeout(1000)  # reveal's transition
+    assert _check_snapshots(page, shots, "slides") == ["step"]
     page.keyboard.press("Escape")  # reveal.js's overview of all slides
     page.wait_for_selector(".reveal.overview", timeout=SECONDS * 1000)
     _check_loaded_alone(page)
+
+
+# go to the first slide holding a widget
+TO_WIDGET_JS = """() => {
+  const s = document.querySelector('.labkit-snapshot').closest('section');
+  const top = [...document.querySelectorAll('.slides > section')];
+  const h = top.findIndex(x => x.contains(s));
+  const v = [...top[h].querySelectorAll(':scope > section')].indexOf(s);
+  location.hash = `#/${h}/${Math.max(v, 0)}`;
+}"""
 
 
 # the slide shown: whether it is taller than the screen without scrolling, and
@@ -212,7 +232,7 @@ def test_book_walks_from_the_index_to_the_last_chapter_offline(book, site_dir, o
     article = page.inner_text("article")
     assert "how large models are trained" in article and "Prerequisites" in article
     page.screenshot(path=str(shots / "book_index.png"))
-    walked, figures, clipped = [], [], {}
+    walked, figures, clipped, live = [], [], {}, {}
     while page.locator("a.right-next").count():
         page.locator("a.right-next").first.click()
         page.wait_for_load_state("load")
@@ -221,7 +241,7 @@ def test_book_walks_from_the_index_to_the_last_chapter_offline(book, site_dir, o
             _check_math(page, shots, "book")
         if walked[-1] in widgets:
             _check_widget_figures(page)
-            _check_snapshots(page, shots, walked[-1])
+            live[walked[-1]] = _check_snapshots(page, shots, walked[-1])
             figures.append(walked[-1])
         wide = page.evaluate(CLIPPED_JS)
         if wide:
@@ -231,6 +251,11 @@ def test_book_walks_from_the_index_to_the_last_chapter_offline(book, site_dir, o
     assert not clipped, f"code blocks that run off the page's side: {clipped}"
     assert not (site_dir / "book" / "genindex.html").exists(), "an empty index page"
     assert figures == sorted(widgets), f"pages whose widgets' figures show: {figures}"
+    # the ring stepper's step and the ZeRO explorer's stage and precision work
+    # on the page with no kernel; the chapters that show them:
+    assert {k: v for k, v in live.items() if v} == {
+        "02_ring_allreduce": ["step"], "04_memory_anatomy": ["precision", "stage"],
+        "06_zero": ["precision", "stage"]}, live
     assert page.locator("a.left-prev").count(), "the last chapter links back"
     _check_loaded_alone(page)
 
@@ -252,24 +277,110 @@ CLIPPED_JS = """() => [...document.querySelectorAll('article pre')]
   .map(e => e.innerText.split('\\n')[0].slice(0, 60))"""
 
 
-def _check_snapshots(page, shots: Path, name: str) -> None:
-    """Every widget with controls says it is a snapshot, its controls disabled:
-    no kernel answers them on a static page."""
+def _check_snapshots(page, shots: Path, name: str) -> list[str]:
+    """Every widget with controls says what works on a static page: controls
+    whose states were drawn ahead (LIVE_CLASS) are enabled, all others disabled,
+    and the line above it tells which. Returns the live controls' labels, each
+    moved through its values by _check_live."""
     page.wait_for_function(
         "() => document.querySelectorAll('.labkit-snapshot').length > 0",
         timeout=SECONDS * 1000)
     roots = page.locator(".labkit-snapshot")
+    moved = []
     for k in range(roots.count()):
         root = roots.nth(k)
-        live = root.evaluate("""r => [...r.querySelectorAll(
+        enabled = root.evaluate("""(r, live) => [...r.querySelectorAll(
             'input, select, button, textarea, .noUi-target')]
-            .filter(c => !c.hasAttribute('disabled')).length""")
-        assert live == 0, f"{name}: widget {k} has {live} controls still enabled"
-        badge = root.evaluate("r => r.previousElementSibling && "
-                              "r.previousElementSibling.innerText")
-        assert badge == SNAPSHOT_NOTE, f"{name}: widget {k} is not marked: {badge!r}"
+            .filter(c => !c.hasAttribute('disabled'))
+            .map(c => c.closest('.' + live) ? 'live' : 'frozen')""", LIVE_CLASS)
+        assert "frozen" not in enabled, (
+            f"{name}: widget {k} has a control enabled that no kernel answers")
+        badge = root.evaluate("r => r.firstElementChild.innerText")
+        want = PARTLY_LIVE_NOTE if enabled else SNAPSHOT_NOTE
+        assert badge == want, f"{name}: widget {k} is marked {badge!r}"
+        moved += _check_live(page, root, shots, f"{name}-{k}")
     roots.first.scroll_into_view_if_needed()
     page.screenshot(path=str(shots / f"book_{name}_snapshot.png"))
+    return moved
+
+
+# what the caption of the state shown must say for a live control's value
+SAYS = {"step": lambda v: f"after step {v} of",
+        "stage": lambda v: f"{STAGES[int(v)]} keeps"}
+# the caption and figure of the state a widget shows (the others are hidden)
+SHOWN_JS = """r => [...r.querySelectorAll(
+  '.widget-html-content, .widget-output img')].filter(e => e.offsetParent)
+  .map(e => e.tagName === 'IMG' ? e.src.slice(-40) : e.innerText).join(' | ')"""
+
+
+def _check_live(page, root, shots: Path, name: str) -> list[str]:
+    """Move each live control of a widget through every value, in the browser
+    with no kernel: each value shows its own figure and caption, the caption
+    agrees with the value, and going back shows the first state again."""
+    moved = []
+    for control in root.locator(f".{LIVE_CLASS}").all():
+        label = control.locator(".widget-label").inner_text().strip()
+        control.scroll_into_view_if_needed()
+        start = root.evaluate(SHOWN_JS)
+        seen = {}
+        if control.locator("select").count():
+            select = control.locator("select")
+            first = select.evaluate("s => s.selectedIndex")
+            values = select.locator("option").all_inner_texts()
+            for i, v in enumerate(values):
+                select.select_option(index=i)
+                seen[v] = _shown_after(page, root, seen)
+            select.select_option(index=first)
+        else:  # dragged with the mouse, as in a lecture (a deck takes the keys)
+            handle = control.locator(".noUi-handle")
+            lo, hi, first = (float(handle.get_attribute(a)) for a in (
+                "aria-valuemin", "aria-valuemax", "aria-valuenow"))
+            for v in [*range(int(lo), int(hi) + 1), first]:
+                _drag(page, control, handle, (v - lo) / (hi - lo))
+                now = float(handle.get_attribute("aria-valuenow"))
+                assert now == v, f"{name}: dragged '{label}' to {v}, it shows {now}"
+                if v == first and len(seen) == hi - lo + 1:
+                    break  # back where it started
+                seen[v] = _shown_after(page, root, seen)
+                if label in SAYS:
+                    assert SAYS[label](int(v)) in seen[v], (
+                        f"{name}: '{label}' at {v:g} shows {seen[v]!r}")
+        root.screenshot(path=str(shots / f"book_{name}_{label}.png"))
+        assert len(set(seen.values())) == len(seen) > 1, (
+            f"{name}: '{label}' moved through {list(seen)}; states shown: {seen}")
+        back = root.evaluate(SHOWN_JS)
+        for _ in range(20):
+            if back == start:
+                break
+            page.wait_for_timeout(50)
+            back = root.evaluate(SHOWN_JS)
+        assert back == start, (
+            f"{name}: '{label}' back at its first value shows {back!r}, not "
+            f"{start!r}")
+        moved.append(label)
+    return moved
+
+
+def _drag(page, control, handle, fraction: float) -> None:
+    """Drag a slider's handle to `fraction` of its track, with the mouse."""
+    track = control.locator(".noUi-target").bounding_box()
+    box = handle.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.mouse.down()
+    page.mouse.move(track["x"] + fraction * track["width"],
+                    box["y"] + box["height"] / 2, steps=4)
+    page.mouse.up()
+
+
+def _shown_after(page, root, seen: dict) -> str:
+    """The state shown once it is not one already seen (the switch is a DOM
+    change, drawn on the next frame), or after a second if it stays."""
+    for _ in range(20):
+        shown = root.evaluate(SHOWN_JS)
+        if shown and shown not in seen.values():
+            return shown
+        page.wait_for_timeout(50)
+    return shown
 
 
 @pytest.mark.slow
