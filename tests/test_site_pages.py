@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from labkit.cli import references, site, student
+from labkit.cli.search_text import page_text, tex_text
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -76,3 +77,23 @@ def test_landing_page_says_what_the_course_is():
     assert len(re.findall(r"^\| \[", page, flags=re.M)) == len(NOTEBOOKS)
     assert "https://example.org/lab" in site.index_page(chapters, "public",
                                                         "https://example.org/lab")
+
+
+def test_search_text_reads_formulas_in_plain_letters():
+    assert tex_text(r"\(2\frac{N-1}{N}M\)") == "2(N-1)/N M"
+    assert tex_text(r"\(\alpha + \beta \cdot n\)") == "α + β · n"
+    assert tex_text(r"\(16\Psi/N_d\)") == "16Ψ/N_d"
+    assert tex_text(r"\(\mathrm{busbw} = \frac{2(n-1)}{n}\)") == (
+        "busbw = (2(n-1))/n")
+    # a command it does not know loses its backslash, never shows as TeX
+    assert "\\" not in tex_text(r"\(\widehat{x} \oplus y\)")
+
+
+def test_search_text_is_the_article_without_buttons_or_outputs():
+    html = """<html><body><main role="main"><button>Settings Light Dark</button>
+    <article class="bd-article"><h1>Ring<a class="headerlink">#</a></h1>
+    <p>It sends <span class="math">\\(2\\frac{N-1}{N}M\\)</span> , in all.</p>
+    <div class="cell_input"><pre><span>x</span><span>.</span><span>sum</span>()</pre>
+    </div><div class="cell_output"><pre>tensor([6.])</pre></div>
+    <div class="jupyter-widgets">slider</div></article></main></body></html>"""
+    assert page_text(html) == "Ring It sends 2(N-1)/N M, in all. x.sum()"

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit.cli import editions, page_assets, references, student
+from labkit.cli import editions, page_assets, references, search_text, student
 
 ROOT = Path(__file__).resolve().parents[2]
 MATHJAX = "mathjax/MathJax.js?config=TeX-AMS_CHTML-full,Safe"  # under _static/
@@ -50,6 +50,13 @@ nb_ipywidgets_js = {{"requirejs/require.js": {{}},
                      "html-manager/dist/embed-amd.js": {{}}}}
 exclude_patterns = ["_build"]
 suppress_warnings = ["mystnb.unknown_mime_type", "myst.header"]
+
+
+def setup(app):  # the pages' text for search snippets (search_text.py)
+    def search_page_only(app, pagename, templatename, context, doctree):
+        if pagename == "search":
+            app.add_js_file({search_js!r})
+    app.connect("html-page-context", search_page_only)
 """
 
 WORDS_A_MINUTE = 80  # technical prose with formulas, its cells run and looked at
@@ -360,7 +367,8 @@ def write_project(executed: Path, src: Path, vendor: Path,
     repo = (f', "repository_url": {repo_url!r}, "use_repository_button": True'
             if repo_url else "")
     (src / "conf.py").write_text(CONF.format(vendor=str(vendor.resolve()),
-                                             mathjax=MATHJAX, repo=repo))
+                                             mathjax=MATHJAX, repo=repo,
+                                             search_js=search_text.SCRIPT))
     (src / "index.md").write_text(index_page(chapters, edition, repo_url))
     (src / "teaching.md").write_text(teaching_page(chapters))
     (src / "glossary.md").write_text(glossary_page(chapters))
@@ -379,6 +387,9 @@ def build(executed: Path, out: Path, vendor: Path, edition: str = "public") -> N
                          capture_output=True, text=True, check=False)
     if run.returncode:
         raise SystemExit(f"sphinx-build failed:\n{run.stderr[-3000:]}")
+    pages = sorted(str(p.relative_to(out).with_suffix("")) for p in out.rglob("*.html")
+                   if p.parts[len(out.parts)][0] != "_" and p.stem != "search")
+    search_text.write(out, pages)
     # the widget renderer looks for its icon fonts under the page's folder, at
     # the path of the module that asks for them
     for fonts in ("@jupyter-widgets", "@jupyter-widgets/html-manager/dist"):

@@ -18,7 +18,8 @@ figures; a widget's controls are disabled and it is marked a snapshot, except
 controls whose states were drawn ahead (chapter 02's ring step, the ZeRO
 explorer's stage and precision), which are moved through every value and must
 show the state they name; no code block runs off the side of the page, and no
-solution is on a page or in a page's download; search finds pages.
+solution is on a page or in a page's download; search finds pages and shows
+their text around the query, from disk as over http.
 """
 
 from __future__ import annotations
@@ -261,14 +262,27 @@ def test_book_walks_from_the_index_to_the_last_chapter_offline(book, site_dir, o
 
 
 @pytest.mark.slow
-def test_book_search_finds_chapters_offline(book, offline):
+def test_book_search_finds_chapters_offline(book, site_dir, offline):
+    """Over http and from disk (file://, where a page may not fetch another),
+    search finds the chapter and shows a snippet of its text: the query's
+    words, no theme buttons, no raw TeX."""
     page = offline
-    page.goto(book + "search.html?q=all-reduce")
-    found = page.locator("#search-results li")
-    found.first.wait_for(timeout=SECONDS * 1000)
-    titles = found.all_inner_texts()
-    assert any(CHAPTER.stem[:2] in t for t in titles), titles
-    _check_loaded_alone(page)
+    for base in (book, (site_dir / "book").as_uri() + "/"):
+        page.goto(base + "search.html?q=all-reduce")
+        found = page.locator("#search-results li")
+        found.first.wait_for(timeout=SECONDS * 1000)
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('#search-results li')]"
+            ".every(li => li.querySelector('p.context'))", timeout=SECONDS * 1000)
+        titles = found.locator("a").all_inner_texts()
+        assert any(CHAPTER.stem[:2] in t for t in titles), titles
+        snippets = found.locator("p.context").all_inner_texts()
+        bad = [t for t in snippets if re.search(
+            r"Settings|Light|Dark|\\\(|\\frac|\$", t)]
+        assert not bad, f"{base}: snippets with the theme's buttons or TeX: {bad}"
+        assert sum("all-reduce" in t.lower() for t in snippets) >= len(
+            snippets) // 2, f"{base}: snippets without the query: {snippets}"
+        _check_loaded_alone(page)
 
 
 # code blocks of the page wider than their box (a sideways scrollbar, or clipped)
