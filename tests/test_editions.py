@@ -1,11 +1,14 @@
 """labkit.cli.editions: the public edition the site and decks are built from has
 no solution and no output naming an answer; the lecturer's keeps and labels them.
 And the static decks leave set-up, asserts, checks and solutions out
-(nbclean.deck_slide_type), where RISE, live, keeps every cell."""
+(nbclean.deck_slide_type), where RISE, live, keeps every cell; they keep an idea
+and its code on one slide while it fits a screen, and cut tall text at its
+paragraphs (deck_layout)."""
 
 import json
 
 from labkit.cli import editions
+from labkit.cli.deck_layout import deck_slide_types, height, split_tall_text
 from labkit.cli.nbclean import deck_slide_type, slide_type
 from labkit.cli.student import SOLUTION, source, tags
 
@@ -77,3 +80,41 @@ def test_decks_leave_out_set_up_claims_checks_and_solutions():
     assert slide_type(_md("## A heading")) == "slide"
     assert slide_type(_md("Say this aloud.", "notes")) == "notes"
     assert slide_type(_md("Plain text.")) == "-"
+
+
+def _png(width, height):
+    import base64
+    raw = (b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\rIHDR" + width.to_bytes(4, "big")
+           + height.to_bytes(4, "big") + b"\x08\x06\x00\x00\x00" + b"\x00" * 40)
+    return base64.b64encode(raw).decode()
+
+
+def test_a_deck_keeps_an_idea_and_its_code_on_one_slide_while_it_fits():
+    short = _code("y = f(x)", outputs=("6",))
+    figure = _code("plot()", outputs=())
+    figure["outputs"] = [{"output_type": "display_data", "metadata": {},
+                          "data": {"image/png": _png(600, 400)}}]
+    cells = [_md("## The idea\n\nOne line of text."), _code("import torch"), short,
+             figure, short, _md("## Next idea"), short, _md("A remark.", "notes")]
+    assert deck_slide_types(cells) == [
+        "slide", "skip", "-",      # the code that shows it, under its heading
+        "subslide", "-",           # a 400 px figure does not fit: below, with
+        "slide", "-", "notes"]     # what follows it; a heading starts a slide
+    assert height(figure) > 400 and height(short) < 120
+
+
+def test_a_deck_cuts_a_text_cell_taller_than_the_screen_at_its_paragraphs():
+    paras = [f"Paragraph {k}: " + "words " * 60 for k in range(12)]
+    fence = "```python\nx = 1\n\ny = 2\n```"
+    text = "\n\n".join(["## Long", *paras[:6], fence, *paras[6:]])
+    cell = _md(text)
+    assert height(cell) > 640
+    parts = split_tall_text([cell, _code("x")])
+    assert len(parts) > 3 and parts[-1]["cell_type"] == "code"
+    texts = ["".join(p["source"]) for p in parts[:-1]]
+    assert "\n\n".join(texts) == text, "the same text, in order"
+    assert any("x = 1\n\ny = 2" in t for t in texts), "a code fence stays whole"
+    assert all(height(p) <= 640 for p in parts[:-1])
+    assert len({p["id"] for p in parts}) == len(parts)
+    kinds = deck_slide_types(parts)
+    assert kinds[0] == "slide" and "subslide" in kinds

@@ -2,7 +2,7 @@
 
 `python -m labkit.cli.editions EXECUTED OUT public|lecturer` writes, for each
 executed chapter in EXECUTED (outputs and widgets' state kept), its edition in
-OUT:
+OUT as `make slides` converts it (the site, site.py, writes its own):
 
 - **public**: what a class may see before the exercises are due. Every cell
   tagged `solution` (code, or a written answer in markdown) is dropped, and the
@@ -11,9 +11,10 @@ OUT:
   link then serves this notebook, not the one with the solutions.
 - **lecturer**: everything, each solution headed by a line that says it is one.
 
-Both carry a static deck's slide types (nbclean.deck_slide_type): set-up,
-asserts, checks and solutions are left out of `make slides`' decks (RISE, live in
-JupyterLab, keeps the committed notebook's, which runs every cell).
+Both carry a static deck's slide types (deck_layout.deck_slide_types): one
+slide per idea with its code, set-up, asserts, checks and solutions left out of
+`make slides`' decks (RISE, live in JupyterLab, keeps the committed notebook's,
+which runs every cell).
 
 Each notebook is written to a temporary file and renamed; only `*.ipynb` files of
 the chapters given are written, nothing else in OUT is touched.
@@ -27,7 +28,7 @@ import sys
 from pathlib import Path
 
 from labkit.cli import atomic
-from labkit.cli.nbclean import deck_slide_type
+from labkit.cli.deck_layout import deck_slide_types, split_tall_text
 from labkit.cli.student import CHECK_CALL, EXERCISE, SOLUTION, source, tags
 
 EDITIONS = ("public", "lecturer")
@@ -79,8 +80,11 @@ def lecturer(nb: dict) -> dict:
     return _with_cells(nb, out)
 
 
-def write(executed: Path, out: Path, edition: str) -> list[Path]:
-    """Each executed chapter's `edition` in `out`; returns the files written."""
+def write(executed: Path, out: Path, edition: str, *,
+          deck: bool = False) -> list[Path]:
+    """Each executed chapter's `edition` in `out`; returns the files written.
+    deck: for `make slides`, its text cells taller than a screen cut at their
+    paragraphs (deck_layout.split_tall_text; the site keeps them whole)."""
     if edition not in EDITIONS:
         raise ValueError(f"edition must be one of {EDITIONS}, not {edition!r}")
     make = public if edition == "public" else lecturer
@@ -88,10 +92,12 @@ def write(executed: Path, out: Path, edition: str) -> list[Path]:
     written = []
     for path in sorted(Path(executed).glob("*.ipynb")):
         nb = make(json.loads(path.read_text(encoding="utf-8")))
-        for c in nb["cells"]:
+        if deck:
+            nb["cells"] = split_tall_text(nb["cells"])
+        for c, kind in zip(nb["cells"], deck_slide_types(nb["cells"])):
             label = source(c) == SOLUTION_LABEL  # goes with its solution
             c.setdefault("metadata", {})["slideshow"] = {
-                "slide_type": "skip" if label else deck_slide_type(c)}
+                "slide_type": "skip" if label else kind}
         target = out / path.name
         atomic.write_text(target, json.dumps(nb, indent=1, ensure_ascii=False)
                           + "\n")
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m labkit.cli.editions EXECUTED OUT public|lecturer",
               file=sys.stderr)
         return 2
-    written = write(Path(args[0]), Path(args[1]), args[2])
+    written = write(Path(args[0]), Path(args[1]), args[2], deck=True)
     print(f"{args[1]}: the {args[2]} edition of {len(written)} chapters")
     return 0
 

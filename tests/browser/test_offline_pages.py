@@ -80,7 +80,7 @@ def site_dir(tmp_path_factory, executed) -> Path:
 def deck(site_dir) -> Path:
     """Chapter 02's deck from its public edition, as `make slides` makes it."""
     flags = vendor.flags("../vendor", site_dir / "vendor")
-    editions.write(site_dir / "chapters", site_dir / "public", "public")
+    editions.write(site_dir / "chapters", site_dir / "public", "public", deck=True)
     _run("-m", "nbconvert", "--to", "slides", "--output-dir", "../slides", *flags,
          "--SlidesExporter.reveal_scroll=True", CHAPTER.name,
          cwd=site_dir / "public")

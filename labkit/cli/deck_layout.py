@@ -1,0 +1,132 @@
+"""A static deck's slides (`make slides`): one slide per idea, with its code.
+
+RISE, live in JupyterLab, gives every code cell a sub-slide of its own
+(nbclean.slide_type), so its output has room as it runs. A built deck has its
+outputs already, and a code cell a sub-slide is a notebook dump: chapter 06
+had 32 code slides in 41. Here a heading starts a slide (an idea), and the
+text, code and output after it stay on that slide while they fit a 1280x720
+screen; what does not fit goes on a sub-slide below, which starts at a cell
+boundary; a text cell taller than the screen is cut at its paragraphs
+(split_tall_text) first. Heights are estimated from the cells (lines of text
+and code at the deck's sizes, page_assets.DECK_CSS, fitted to what Chromium
+draws for chapters 02 and 06: median within 11 %; figures' stored pixel
+heights). A slide the estimate gets wrong, or one cell taller than a screen
+(a long function), scrolls (page_assets.DECK_JS).
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import math
+import re
+
+from labkit.cli.nbclean import deck_slide_type
+
+SCREEN_PX = 640        # 720 less reveal's margins and the slide's padding
+PROSE_PX, PROSE_CHARS = 33, 78   # a line of 24 px text, 1.35 high; ~1100 px wide
+CODE_PX, CODE_CHARS = 26, 100    # 15 px code, its padding and margins
+TABLE_ROW_PX = 30
+IMAGE_PX = 380                   # a markdown image of unknown size
+WIDGET_PX = 520
+
+
+def _lines(text: str, width: int) -> int:
+    """Lines of `width` characters that text takes, a blank line half one."""
+    return math.ceil(sum(max(1, math.ceil(len(ln) / width)) if ln.strip() else 0.5
+                         for ln in text.splitlines()))
+
+
+def _png_height(data: str) -> int:
+    raw = base64.b64decode(data[:64] + "=" * (-len(data[:64]) % 4))
+    return int.from_bytes(raw[20:24], "big") if raw[:4] == b"\x89PNG" else IMAGE_PX
+
+
+def height(cell: dict) -> int:
+    """A cell's estimated height on a deck's slide, in px."""
+    text = "".join(cell.get("source", ""))
+    if cell.get("cell_type") == "markdown":
+        rows = len(re.findall(r"^\|", text, re.M))
+        images = len(re.findall(r"!\[", text))
+        prose = re.sub(r"^\|.*$", "", text, flags=re.M)
+        return (_lines(prose, PROSE_CHARS) * PROSE_PX + rows * TABLE_ROW_PX
+                + images * IMAGE_PX + 45)
+    px = _lines(text, CODE_CHARS) * CODE_PX + 40
+    for out in cell.get("outputs", []):
+        data = out.get("data", {})
+        if "application/vnd.jupyter.widget-view+json" in data:
+            px += WIDGET_PX
+        elif "image/png" in data:
+            png = data["image/png"]
+            px += _png_height(png if isinstance(png, str) else "".join(png))
+        elif "text/html" in data:
+            html = "".join(data["text/html"])
+            px += max(1, html.count("<tr")) * TABLE_ROW_PX
+        else:
+            txt = out.get("text") or data.get("text/plain", "")
+            px += _lines("".join(txt), CODE_CHARS) * CODE_PX + 10
+    return px
+
+
+def deck_slide_types(cells: list[dict]) -> list[str]:
+    """Each cell's slide type in a static deck: as deck_slide_type (headings
+    start slides; set-up, asserts, checks, solutions and notes as there), but a
+    code or text cell stays on the slide shown while the slide still fits the
+    screen, and starts a sub-slide below when it would not."""
+    types, used = [], SCREEN_PX
+    for cell in cells:
+        kind = deck_slide_type(cell)
+        if kind in ("skip", "notes"):
+            types.append(kind)
+            continue
+        h = height(cell)
+        if kind == "slide":
+            used = h
+        elif used + h <= SCREEN_PX:
+            kind, used = "-", used + h
+        else:
+            kind, used = "subslide", h
+        types.append(kind)
+    return types
+
+
+def _paragraphs(text: str) -> list[str]:
+    """Markdown cut at blank lines, never inside a fenced block or $$...$$."""
+    parts, current, fenced = [], [], False
+    for line in text.split("\n"):
+        if not fenced and not line.strip() and current:
+            parts.append("\n".join(current))
+            current = []
+            continue
+        if line.lstrip().startswith(("```", "~~~")) or line.strip() == "$$":
+            fenced = not fenced
+        current.append(line)
+    if current:
+        parts.append("\n".join(current))
+    return [p for p in parts if p.strip()]
+
+
+def split_tall_text(cells: list[dict]) -> list[dict]:
+    """The cells, each markdown cell taller than the screen cut into cells of
+    whole paragraphs that fit (a paragraph taller than the screen alone); the
+    same text in the same order, so a slide can hold one part at a time."""
+    out = []
+    for cell in cells:
+        if cell.get("cell_type") != "markdown" or height(cell) <= SCREEN_PX:
+            out.append(cell)
+            continue
+        groups = []
+        for para in _paragraphs("".join(cell.get("source", ""))):
+            grown = "\n\n".join([*groups[-1], para]) if groups else ""
+            if groups and height({"cell_type": "markdown",
+                                  "source": grown}) <= SCREEN_PX:
+                groups[-1].append(para)
+            else:
+                groups.append([para])
+        for k, group in enumerate(groups):
+            part = copy.deepcopy(cell)
+            part["source"] = "\n\n".join(group)
+            if k:
+                part["id"] = f"{cell.get('id', 'cell')}-{k}"
+            out.append(part)
+    return out
