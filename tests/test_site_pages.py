@@ -97,3 +97,18 @@ def test_search_text_is_the_article_without_buttons_or_outputs():
     </div><div class="cell_output"><pre>tensor([6.])</pre></div>
     <div class="jupyter-widgets">slider</div></article></main></body></html>"""
     assert page_text(html) == "Ring It sends 2(N-1)/N M, in all. x.sum()"
+
+
+def test_speaker_notes_are_an_aside_on_the_site(tmp_path):
+    nb = {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+        {"cell_type": "markdown", "id": "a", "metadata": {}, "source": ["## 1. Why"]},
+        {"cell_type": "markdown", "id": "b", "metadata": {"tags": ["notes"]},
+         "source": ["*Speaker notes.*\n", "\n", "- Land: `2(N-1)/N`."]}]}
+    path = tmp_path / "x.ipynb"
+    path.write_text(json.dumps(nb))
+    site.notes_as_asides(path)
+    cells = _cells(path)
+    assert student.source(cells[0]) == "## 1. Why"
+    assert student.source(cells[1]) == (
+        "````{admonition} Speaker notes\n:class: labkit-notes\n"
+        "- Land: `2(N-1)/N`.\n````")

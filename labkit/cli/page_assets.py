@@ -89,6 +89,8 @@ article pre, div.cell div.highlight pre, div.cell_output pre, div.output pre {
    wider than the column wraps */
 .widget-slider .slider-container { min-width: 6em; flex: 1 1 auto; }
 .jupyter-widgets.widget-hbox { flex-wrap: wrap; row-gap: 0.3em; }
+/* a lecturer's speaker notes, set apart from the chapter's text */
+div.admonition.labkit-notes { font-size: 0.9em; opacity: 0.9; }
 """
 
 DECK_CSS = _SNAPSHOT_CSS + """\

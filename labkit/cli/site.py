@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labkit.cli import editions, page_assets, references, search_text, student
+from labkit.cli.nbclean import NOTES
 
 ROOT = Path(__file__).resolve().parents[2]
 MATHJAX = "mathjax/MathJax.js?config=TeX-AMS_CHTML-full,Safe"  # under _static/
@@ -350,6 +351,21 @@ def formula_page(notebooks: list[Path]) -> str:
     return FORMULAS.format(rows="\n\n".join(rows))
 
 
+def notes_as_asides(path: Path) -> None:
+    """A chapter's speaker notes (markdown tagged `notes`; the decks' speaker
+    view) shown on its page as an aside titled so, not as the chapter's own
+    text."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    for c in nb["cells"]:
+        if c["cell_type"] == "markdown" and NOTES in student.tags(c):
+            text = student.source(c).strip()
+            text = re.sub(r"^\*Speaker notes\.?\*\s*", "", text)
+            c["source"] = (f"````{{admonition}} Speaker notes\n:class: "
+                           f"labkit-notes\n{text}\n````")
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n",
+                    encoding="utf-8")
+
+
 def write_project(executed: Path, src: Path, vendor: Path,
                   edition: str = "public") -> list[str]:
     """The Sphinx project in src: conf.py, the index, teaching and glossary pages,
@@ -361,7 +377,8 @@ def write_project(executed: Path, src: Path, vendor: Path,
     shutil.copytree(ROOT / "images", src / "images")  # chapters link ../images
     (src / "_labkit" / "labkit.css").write_text(page_assets.SITE_CSS)
     (src / "_labkit" / "labkit.js").write_text(page_assets.SNAPSHOT_JS)
-    editions.write(executed, src / "notebooks", edition)
+    for path in editions.write(executed, src / "notebooks", edition):
+        notes_as_asides(path)
     chapters = [chapter(nb) for nb in sorted((src / "notebooks").glob("*.ipynb"))]
     repo_url = os.environ.get("LABKIT_REPO_URL") or None
     repo = (f', "repository_url": {repo_url!r}, "use_repository_button": True'
