@@ -8,7 +8,12 @@ paragraphs (deck_layout)."""
 import json
 
 from labkit.cli import editions
-from labkit.cli.deck_layout import deck_slide_types, height, split_tall_text
+from labkit.cli.deck_layout import (
+    deck_slide_types,
+    height,
+    split_at_headings,
+    split_tall_text,
+)
 from labkit.cli.nbclean import deck_slide_type, slide_type
 from labkit.cli.student import SOLUTION, source, tags
 
@@ -118,3 +123,11 @@ def test_a_deck_cuts_a_text_cell_taller_than_the_screen_at_its_paragraphs():
     assert len({p["id"] for p in parts}) == len(parts)
     kinds = deck_slide_types(parts)
     assert kinds[0] == "slide" and "subslide" in kinds
+
+
+def test_a_deck_starts_a_slide_at_a_heading_inside_a_text_cell():
+    cells = split_at_headings([_md("## 4. Measured\n\nText.\n\n## 5. Next\n\nMore."),
+                               _md("Say it.", "notes")])
+    assert ["".join(c["source"]) for c in cells] == [
+        "## 4. Measured\n\nText.", "## 5. Next\n\nMore.", "Say it."]
+    assert deck_slide_types(cells) == ["slide", "slide", "notes"]

@@ -6,11 +6,12 @@ outputs already, and a code cell a sub-slide is a notebook dump: chapter 06
 had 32 code slides in 41. Here a heading starts a slide (an idea), and the
 text, code and output after it stay on that slide while they fit a 1280x720
 screen; what does not fit goes on a sub-slide below, which starts at a cell
-boundary; a text cell taller than the screen is cut at its paragraphs
-(split_tall_text) first. Heights are estimated from the cells (lines of text
-and code at the deck's sizes, page_assets.DECK_CSS, fitted to what Chromium
-draws for chapters 02 and 06: median within 11 %; figures' stored pixel
-heights). A slide the estimate gets wrong, or one cell taller than a screen
+boundary. First a text cell is cut at a heading inside it
+(split_at_headings) and, taller than the screen, at its paragraphs
+(split_tall_text). Heights are estimated from the cells (lines of text and
+code at the deck's sizes, page_assets.DECK_CSS, fitted to what Chromium draws
+for chapters 02 and 06: median within 11 %; figures' stored pixel heights).
+A slide the estimate gets wrong, or one cell taller than a screen
 (a long function), scrolls (page_assets.DECK_JS).
 """
 
@@ -106,6 +107,33 @@ def _paragraphs(text: str) -> list[str]:
     return [p for p in parts if p.strip()]
 
 
+def split_at_headings(cells: list[dict]) -> list[dict]:
+    """The cells, a markdown cell with a heading below its first line cut
+    there, so that the heading starts a slide as one at a cell's top does."""
+    out = []
+    for cell in cells:
+        if cell.get("cell_type") != "markdown":
+            out.append(cell)
+            continue
+        parts: list[list[str]] = [[]]
+        for para in _paragraphs("".join(cell.get("source", ""))):
+            if para.lstrip().startswith("#") and parts[-1]:
+                parts.append([])
+            parts[-1].append(para)
+        for k, group in enumerate(parts):
+            out.append(_part(cell, k, group))
+    return out
+
+
+def _part(cell: dict, k: int, paragraphs: list[str]) -> dict:
+    """Part k of a markdown cell cut at paragraphs (the first keeps its id)."""
+    part = copy.deepcopy(cell)
+    part["source"] = "\n\n".join(paragraphs)
+    if k:
+        part["id"] = f"{cell.get('id', 'cell')}-{k}"
+    return part
+
+
 def split_tall_text(cells: list[dict]) -> list[dict]:
     """The cells, each markdown cell taller than the screen cut into cells of
     whole paragraphs that fit (a paragraph taller than the screen alone); the
@@ -123,10 +151,5 @@ def split_tall_text(cells: list[dict]) -> list[dict]:
                 groups[-1].append(para)
             else:
                 groups.append([para])
-        for k, group in enumerate(groups):
-            part = copy.deepcopy(cell)
-            part["source"] = "\n\n".join(group)
-            if k:
-                part["id"] = f"{cell.get('id', 'cell')}-{k}"
-            out.append(part)
+        out += [_part(cell, k, group) for k, group in enumerate(groups)]
     return out

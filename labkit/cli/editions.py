@@ -28,7 +28,11 @@ import sys
 from pathlib import Path
 
 from labkit.cli import atomic
-from labkit.cli.deck_layout import deck_slide_types, split_tall_text
+from labkit.cli.deck_layout import (
+    deck_slide_types,
+    split_at_headings,
+    split_tall_text,
+)
 from labkit.cli.student import CHECK_CALL, EXERCISE, SOLUTION, source, tags
 
 EDITIONS = ("public", "lecturer")
@@ -83,8 +87,9 @@ def lecturer(nb: dict) -> dict:
 def write(executed: Path, out: Path, edition: str, *,
           deck: bool = False) -> list[Path]:
     """Each executed chapter's `edition` in `out`; returns the files written.
-    deck: for `make slides`, its text cells taller than a screen cut at their
-    paragraphs (deck_layout.split_tall_text; the site keeps them whole)."""
+    deck: for `make slides`, its text cells cut at headings inside them and,
+    taller than a screen, at their paragraphs (deck_layout; the site keeps
+    them whole)."""
     if edition not in EDITIONS:
         raise ValueError(f"edition must be one of {EDITIONS}, not {edition!r}")
     make = public if edition == "public" else lecturer
@@ -93,7 +98,7 @@ def write(executed: Path, out: Path, edition: str, *,
     for path in sorted(Path(executed).glob("*.ipynb")):
         nb = make(json.loads(path.read_text(encoding="utf-8")))
         if deck:
-            nb["cells"] = split_tall_text(nb["cells"])
+            nb["cells"] = split_tall_text(split_at_headings(nb["cells"]))
         for c, kind in zip(nb["cells"], deck_slide_types(nb["cells"])):
             label = source(c) == SOLUTION_LABEL  # goes with its solution
             c.setdefault("metadata", {})["slideshow"] = {
