@@ -116,7 +116,7 @@ def test_ring_svg_labels_are_readable_at_page_width():
     # ... and the committed file is that figure's size (make images redraws it)
     svg = (IMAGES / "ring_allreduce_4.svg").read_text()
     width_pt = float(re.search(r'<svg [^>]*width="([\d.]+)pt"', svg).group(1))
-    assert width_pt == RING_WIDTH_IN * 72 == fig.get_figwidth() * 72
+    assert width_pt == pytest.approx(RING_WIDTH_IN * 72) == fig.get_figwidth() * 72
     shades = {tuple(round(v, 3) for v in p.get_facecolor())
               for p in fig.axes[0].patches if (p.get_gid() or "").startswith("ring:")}
     legend = fig.axes[0].get_legend()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from labkit import viz
 from labkit.comm import OPS, course_example, ring_steps, simulate
+from labkit.viz.style import PAGE_WIDTH_IN
 
 IMAGES = Path(__file__).resolve().parents[2] / "images"
 MARK = "labkit-diagram-data:"
@@ -62,14 +63,16 @@ def _figure(name: str, data):
         return viz.collective_diagram(data["op"], data["before"], data["after"])
     from labkit.viz import ring_panels
 
-    # top row: the start and the reduce-scatter; bottom row: the all-gather, the key
-    fig = ring_panels(ring_steps(4), ncols=4, width_in=RING_WIDTH_IN)
+    # three states a row, read left to right: the start, the three reduce-scatter
+    # steps, the three all-gather steps, the key (four a row crowd "0+1+2" out
+    # of its cell at the page's width)
+    fig = ring_panels(ring_steps(4), ncols=3, width_in=RING_WIDTH_IN)
     fig.suptitle("ring all-reduce on 4 ranks: reduce-scatter, then all-gather",
                  fontsize=13)
     return fig
 
 
-RING_WIDTH_IN = 10.0
+RING_WIDTH_IN = PAGE_WIDTH_IN  # the site's column, as every chart
 PAGE_PX = 900  # a notebook's text column in JupyterLab on a laptop, in CSS pixels
 
 

@@ -24,7 +24,12 @@ from labkit.theory import (
     scale,
 )
 from labkit.units import percent, seconds, si_bytes
-from labkit.viz.style import figure_and_axes
+from labkit.viz.style import (
+    MIN_FONT_PT,
+    PAGE_WIDTH_IN,
+    figure_and_axes,
+    legend_outside,
+)
 from labkit.viz.widgets import show_output
 
 TIME_COLORS = {"compute": "#4c72b0", "tp": "#dd8452", "cp": "#937860",
@@ -54,7 +59,10 @@ def step_time_bars(ranked, *, published=None, top: int = 5) -> Figure:
     mine = find(ranked, published) if published is not None else None
     if mine is not None and mine not in rows:
         rows.append(mine)
-    fig, ax = figure_and_axes(None, (2.0 + 1.5 * max(len(rows), 1), 4.0))
+    # a bar per layout, its label under it (up to 15 characters a line): the
+    # legend goes below, so the bars get the page's width
+    fig, ax = figure_and_axes(None, (min(1.2 + 1.1 * max(len(rows), 1),
+                                         PAGE_WIDTH_IN), 4.0))
     bottom = [0.0] * len(rows)
     for part, color in TIME_COLORS.items():
         h = [r.estimate.time[part] for r in rows]
@@ -68,15 +76,15 @@ def step_time_bars(ranked, *, published=None, top: int = 5) -> Figure:
                 va="bottom", fontsize=8)
     labels = [f"#{r.rank}\n" + str(r.layout).replace(" · ", "\n") + "\n"
               + _short_schedule(r.layout) for r in rows]
-    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_xticks(range(len(rows)), labels, fontsize=MIN_FONT_PT)
     if mine is not None:
         ax.get_xticklabels()[rows.index(mine)].set_fontweight("bold")
     ax.set_ylim(0, 1.15 * (max(bottom, default=0.0) or 1.0))
     ax.set_ylabel("estimated seconds per step")
     ax.set_title("Where each layout's step goes (last line: pipeline schedule"
-                 + ("; bold: published)" if mine else ")"))
+                 + ("; bold: published)" if mine else ")"), wrap=True)
     if ax.containers:
-        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        legend_outside(ax)
     return fig
 
 
@@ -92,7 +100,7 @@ def gemm_roofline(cluster: ClusterSpec, gemms: dict, *, title: str = "") -> Figu
            for name, (m, n, k) in gemms.items()}
     xs = [x for x, _ in pts.values()] + [ridge]
     lo, hi = min(xs) / 4, max(xs) * 4
-    fig, ax = figure_and_axes(None, (7.5, 4.0))
+    fig, ax = figure_and_axes(None, (6.4, 3.6))  # the legend below it
     grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
     ax.plot(grid, [min(peak, x * cluster.hbm_bw) / 1e12 for x in grid],
             color="#333333", label=f"roof: min({peak / 1e12:.0f} TFLOPS, "
@@ -108,8 +116,8 @@ def gemm_roofline(cluster: ClusterSpec, gemms: dict, *, title: str = "") -> Figu
     ax.set_xlabel("arithmetic intensity (FLOPs per byte of HBM traffic)")
     ax.set_ylabel("attainable TFLOPS")
     ax.set_title(title or f"Roofline of one GPU ({cluster.flops / 1e12:,.0f} TFLOPS "
-                          f"peak, {cluster.hbm_bw / 1e12:.2f} TB/s HBM)")
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+                          f"peak, {cluster.hbm_bw / 1e12:.2f} TB/s HBM)", wrap=True)
+    legend_outside(ax, ncol=2)
     return fig
 
 

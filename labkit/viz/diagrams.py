@@ -11,7 +11,15 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from labkit.units import MiB
-from labkit.viz.style import figure_and_axes, by_rank, records_of
+from labkit.viz.style import (
+    MIN_FONT_PT,
+    PAGE_WIDTH_IN,
+    figure_and_axes,
+    fits_beside,
+    legend_outside,
+    by_rank,
+    records_of,
+)
 
 RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860",
                "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD"]
@@ -196,8 +204,9 @@ def ring_grid(step, *, ax=None, legend: bool = True) -> Figure:
     chunk columns; a cell lists the ranks whose values it sums (for n > 6, how
     many), darker = more. Outlined cells are the ones sent during this step."""
     n = len(step.holds)
-    fig, ax = figure_and_axes(ax, (0.75 * n + 1.6, 0.6 * n + 2.0))
-    size = FONT if n <= 6 else FONT - 2
+    scale = min(1.0, (PAGE_WIDTH_IN - 1.6) / (0.75 * n))  # < 1 from 9 ranks on
+    fig, ax = figure_and_axes(ax, (0.75 * n * scale + 1.6, 0.6 * n * scale + 2.0))
+    size = FONT if n <= 6 else MIN_FONT_PT + 1  # chunk numbers: a point less
     _ring_cells(ax, step, 0, 0, "ring:", size)
     for r in range(n):
         ax.text(-0.15, n - 0.5 - r, f"rank {r}", ha="right", va="center",
@@ -282,7 +291,9 @@ def traffic_by_collective(ledgers, *, ax=None, unit: float = MiB,
     ops: list[str] = []
     for recs in ranks.values():
         ops += [rec.op for rec in recs if rec.op not in ops]
-    fig, ax = figure_and_axes(ax, (1.8 + 1.0 * len(ops), 3.8))
+    natural = 1.8 + 1.0 * len(ops)  # the legend beside the bars
+    beside = ax is not None or fits_beside(natural)
+    fig, ax = figure_and_axes(ax, (min(natural, PAGE_WIDTH_IN), 3.8))
     n = len(ranks)
     width = 0.8 / max(1, n)
     for k, (r, recs) in enumerate(ranks.items()):
@@ -301,6 +312,9 @@ def traffic_by_collective(ledgers, *, ax=None, unit: float = MiB,
     ax.set_xticks(range(len(ops)), [op.replace("_", "-") for op in ops],
                   rotation=30, ha="right")
     ax.set_ylabel(f"{unit_name} written")
-    ax.set_title(title)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title, wrap=True)
+    if beside:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    else:
+        legend_outside(ax)
     return fig

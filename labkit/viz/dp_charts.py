@@ -11,8 +11,11 @@ from labkit.units import MiB
 from labkit.viz.style import (
     COMPUTE_COLOR,
     OP_COLORS,
+    PAGE_WIDTH_IN,
     LabFigure,
     figure_and_axes,
+    fits_beside,
+    legend_outside,
     by_rank,
 )
 
@@ -30,7 +33,9 @@ def dp_traffic(measured, expected=None, *, ax=None, unit: float = MiB,
     """
     schemes = {name: by_rank(v) for name, v in measured.items()}
     ranks = sorted({r for v in schemes.values() for r in v})
-    fig, ax = figure_and_axes(ax, (2.0 + 1.0 * len(ranks), 3.6))
+    natural = 2.0 + 1.0 * len(ranks)  # the legend beside the bars
+    beside = ax is not None or fits_beside(natural)
+    fig, ax = figure_and_axes(ax, (min(natural, PAGE_WIDTH_IN), 3.6))
     width = 0.8 / max(1, len(schemes))
     for i, (name, per_rank) in enumerate(schemes.items()):
         xs = [k - 0.4 + (i + 0.5) * width for k in range(len(ranks))]
@@ -49,9 +54,12 @@ def dp_traffic(measured, expected=None, *, ax=None, unit: float = MiB,
         handles.append(Line2D([], [], color="black", ls="--", label="closed form"))
     ax.set_xticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_ylabel(f"{unit_name} written")
-    ax.set_title(title)
-    ax.legend(handles=handles, fontsize="small", loc="upper left",
-              bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title, wrap=True)
+    if beside:
+        ax.legend(handles=handles, fontsize="small", loc="upper left",
+                  bbox_to_anchor=(1.0, 1.0))
+    else:
+        legend_outside(ax, handles)
     return fig
 
 
@@ -80,7 +88,7 @@ def _rows(spans) -> list[int]:
 
 
 def dp_timeline(events, *, ax=None, title: str = "", origin: float | None = None,
-                legend: bool = True, compute: str = "backward",
+                legend: bool | str = True, compute: str = "backward",
                 labels: dict | None = None, min_width: float = 0.0,
                 share_label: str = "") -> Figure:
     """One lane per rank from recorded `Span`s (a timing: varies run to run).
@@ -95,7 +103,9 @@ def dp_timeline(events, *, ax=None, title: str = "", origin: float | None = None
     of what (e.g. "in this step"). labels: op -> its legend label (default: the
     op's name). min_width: draw no compute span narrower than this fraction of
     the time axis (0: true widths), so that spans of single operators stay
-    visible; the overlap share is computed from the true spans.
+    visible; the overlap share is computed from the true spans. legend: True
+    (below the axes on a figure of its own, beside them on the caller's axes),
+    "below", "above" (over the title) or False.
     """
     # here, not at the top: labkit.parallel imports torch, which viz otherwise need not
     from labkit.ledger import overlap_fraction
@@ -104,7 +114,8 @@ def dp_timeline(events, *, ax=None, title: str = "", origin: float | None = None
     spans = [s for v in ranks.values() for s in v]
     if origin is None:
         origin = min((s.start for s in spans), default=0.0)
-    fig, ax = figure_and_axes(ax, (8, 0.9 + 0.8 * len(ranks)))
+    own = ax is None
+    fig, ax = figure_and_axes(ax, (PAGE_WIDTH_IN, 0.9 + 0.8 * len(ranks)))
     seen: list[str] = []
     extent = 1e3 * (max((s.end for s in spans), default=origin) - origin)
     for lane, evs in enumerate(ranks.values()):
@@ -127,19 +138,21 @@ def dp_timeline(events, *, ax=None, title: str = "", origin: float | None = None
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
     ax.set_xlabel("ms since the first span began")
-    head = f"{title}: " if title else ""
     of = f" {share_label}" if share_label else ""
-    ax.set_title(f"{head}{share:.0%} of communication time under {compute}{of} "
-                 "(a timing)")
+    tail = f"{share:.0%} of communication time under {compute}{of} (a timing)"
+    # a title longer than a line of the page (about 75 characters): the share
+    # on a line of its own
+    head = "" if not title else f"{title}:" + (
+        "\n" if len(title) + len(tail) > 72 else " ")
+    ax.set_title(head + tail, wrap=True)
     if legend:
-        handles = [Patch(facecolor=COMPUTE_COLOR, edgecolor="#7F7F7F",
-                         label=f"{compute} (compute)" if compute != "compute"
-                         else "compute")]
-        handles += [Patch(color=OP_COLORS.get(op, "black"),
-                          label=f"{(labels or {}).get(op, op)}: issued to done")
-                    for op in seen]
-        ax.legend(handles=handles, fontsize="small", loc="upper left",
-                  bbox_to_anchor=(1.0, 1.0))
+        handles = _handles(compute, seen, labels)
+        if legend is True and not own:
+            ax.legend(handles=handles, fontsize="small", loc="upper left",
+                      bbox_to_anchor=(1.0, 1.0))
+        else:
+            legend_outside(ax, handles, side="above" if legend == "above"
+                           else "below", grow=own)
     return fig
 
 
@@ -148,19 +161,33 @@ def dp_timelines(schemes, *, title: str = "One training step, rank by rank",
                  min_width: float = 0.0, share_label: str = "",
                  tick_labels: bool = False) -> Figure:
     """dp_timeline for each scheme (name -> rank -> spans), stacked, one time axis
-    (each panel starts at its own first span); the legend on the top panel.
+    (each panel starts at its own first span); the legend over the top panel.
     labels, min_width, share_label: as dp_timeline's. tick_labels: number the time
     axis under every panel, not only the lowest."""
     n_ranks = max((len(by_rank(v)) for v in schemes.values()), default=1)
-    fig = LabFigure(figsize=(9, (0.7 + 0.6 * n_ranks) * len(schemes)),
+    fig = LabFigure(figsize=(PAGE_WIDTH_IN, (0.8 + 0.6 * n_ranks) * len(schemes)),
                     layout="constrained")
     axes = fig.subplots(len(schemes), 1, sharex=True, squeeze=False)[:, 0]
     for i, (ax, (name, events)) in enumerate(zip(axes, schemes.items())):
-        dp_timeline(events, ax=ax, title=name, legend=i == 0, compute=compute,
+        dp_timeline(events, ax=ax, title=name, legend=False, compute=compute,
                     labels=labels, min_width=min_width, share_label=share_label)
         if i < len(axes) - 1:
             ax.set_xlabel("")
             if tick_labels:
                 ax.tick_params(labelbottom=True)
     fig.suptitle(title)
+    # the legend over the top panel: its entries, from every panel's ops
+    seen = list(dict.fromkeys(  # in the order each panel meets them
+        _op(s) for events in schemes.values() for v in by_rank(events).values()
+        for s in sorted((s for s in v if s.kind == "comm"), key=lambda s: s.start)))
+    legend_outside(axes[0], _handles(compute, seen, labels), side="above")
     return fig
+
+
+def _handles(compute: str, ops, labels) -> list:
+    handles = [Patch(facecolor=COMPUTE_COLOR, edgecolor="#7F7F7F",
+                     label=f"{compute} (compute)" if compute != "compute"
+                     else "compute")]
+    return handles + [Patch(color=OP_COLORS.get(op, "black"),
+                            label=f"{(labels or {}).get(op, op)}: issued to done")
+                      for op in ops]

@@ -14,7 +14,10 @@ from labkit.viz.style import (
     CATEGORY_COLORS,
     COMPUTE_COLOR,
     OP_COLORS,
+    PAGE_WIDTH_IN,
     figure_and_axes,
+    fits_beside,
+    legend_outside,
     by_rank,
     records_of,
 )
@@ -34,7 +37,9 @@ def memory_by_rank(per_rank, expected=None, *, ax=None, unit: float = MiB,
     """
     ranks = by_rank(per_rank)
     ranks = {r: getattr(v, "current", v) for r, v in ranks.items()}
-    fig, ax = figure_and_axes(ax, (1.2 + 0.9 * len(ranks), 3.6))
+    natural = 1.2 + 0.9 * len(ranks)  # the legend beside the bars
+    beside = ax is not None or fits_beside(natural)
+    fig, ax = figure_and_axes(ax, (min(natural, PAGE_WIDTH_IN), 3.6))
     cats = [c for c in CATEGORY_COLORS if any(v.get(c, 0) for v in ranks.values())]
     cats += sorted({c for v in ranks.values() for c in v} - set(CATEGORY_COLORS)
                    - {"Total"})
@@ -54,9 +59,19 @@ def memory_by_rank(per_rank, expected=None, *, ax=None, unit: float = MiB,
                           linestyles="--", label="expected" if x == 0 else None)
     ax.set_xticks(xs, [_bar_label(r) for r in ranks])
     ax.set_ylabel(unit_name)
-    ax.set_title(title)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title, wrap=True)
+    _legend(ax, beside)
     return fig
+
+
+def _legend(ax, beside: bool, handles=None) -> None:
+    """Beside the axes (top left of the space to their right), or below them."""
+    if beside:
+        kw = {} if handles is None else {"handles": handles}
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                  **kw)
+    else:
+        legend_outside(ax, handles)
 
 
 def _bar_label(key) -> str:
@@ -76,7 +91,9 @@ def traffic_by_rank(ledgers, *, ax=None, unit: float = MiB, unit_name: str = "Mi
     ranks = {r: records_of(v) for r, v in by_rank(ledgers).items()}
     ops = sorted({rec.op for recs in ranks.values() for rec in recs},
                  key=lambda o: list(OP_COLORS).index(o) if o in OP_COLORS else 99)
-    fig, ax = figure_and_axes(ax, (1.5 + 1.2 * len(ranks), 3.6))
+    natural = 1.5 + 1.2 * len(ranks)  # the legend beside the bars
+    beside = ax is not None or fits_beside(natural)
+    fig, ax = figure_and_axes(ax, (min(natural, PAGE_WIDTH_IN), 3.6))
     width = 0.8 / max(1, 2 * len(ops))
     for i, op in enumerate(ops):
         wire, model = [], []
@@ -96,8 +113,8 @@ def traffic_by_rank(ledgers, *, ax=None, unit: float = MiB, unit_name: str = "Mi
                hatch="//", edgecolor=color, label=f"{op} (bus model)")
     ax.set_xticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_ylabel(unit_name)
-    ax.set_title(title)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title, wrap=True)
+    _legend(ax, beside)
     return fig
 
 
@@ -113,7 +130,8 @@ def timeline_by_rank(ledgers, *, ax=None,
     starts = [getattr(v, "start", None) for v in ranks.values()]
     recs_all = [rec for v in ranks.values() for rec in records_of(v)]
     origin = min([s for s in starts if s] + [rec.start for rec in recs_all] or [0.0])
-    fig, ax = figure_and_axes(ax, (8, 0.8 + 0.6 * len(ranks)))
+    own = ax is None
+    fig, ax = figure_and_axes(ax, (PAGE_WIDTH_IN, 0.8 + 0.6 * len(ranks)))
     seen = set()
     for lane, v in enumerate(ranks.values()):
         recs = sorted(records_of(v), key=lambda rec: rec.start)
@@ -140,6 +158,5 @@ def timeline_by_rank(ledgers, *, ax=None,
     handles = [Patch(color=COMPUTE_COLOR, label="compute")]
     handles += [Patch(color=OP_COLORS.get(op, "black"), label=op)
                 for op in OP_COLORS if op in seen]
-    ax.legend(handles=handles, fontsize="small", loc="upper left",
-              bbox_to_anchor=(1.0, 1.0))
+    _legend(ax, not own, handles)  # its own figure: the lanes get the width
     return fig

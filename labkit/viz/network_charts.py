@@ -8,7 +8,7 @@ import html
 
 from matplotlib.figure import Figure
 
-from labkit.viz.style import OP_COLORS, figure_and_axes
+from labkit.viz.style import OP_COLORS, PAGE_WIDTH_IN, figure_and_axes
 
 
 def bandwidth_chart(points, fits=None, *, ax=None, metric: str = "busbw",
@@ -45,7 +45,7 @@ def hierarchy(levels, *, ax=None, title: str = "Bandwidth by level (published fi
     """Horizontal bars of bandwidth (log scale) for labkit.theory.hardware
     Levels; levels with no published figure are listed, not drawn."""
     levels = list(levels)
-    fig, ax = figure_and_axes(ax, (8, 0.45 * len(levels) + 1.2))
+    fig, ax = figure_and_axes(ax, (PAGE_WIDTH_IN, 0.45 * len(levels) + 1.2))
     ys = list(range(len(levels)))[::-1]
     for y, lv in zip(ys, levels):
         if lv.bandwidth:
@@ -155,7 +155,7 @@ def link_load(routed, topo, *, ax=None, title: str | None = None,
     xs = [x for x, _ in topo.pos.values()]
     ys = [y for _, y in topo.pos.values()]
     span_x, span_y = max(xs) - min(xs) + 1.4, max(ys) - min(ys) + 1.4
-    inch = min(1.0, 8.0 / span_x)
+    inch = min(1.0, (PAGE_WIDTH_IN - 2.2) / span_x)  # 2.2 in: colourbar, margins
     fig, ax = figure_and_axes(ax, (span_x * inch + 2.2, max(3.4, span_y * inch + 1.8)))
     bar_h = 0.22
     for (a, b) in topo.cables:

@@ -14,7 +14,15 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from labkit.viz.style import OP_COLORS, LabFigure, figure_and_axes, by_rank
+from labkit.viz.style import (
+    MIN_FONT_PT,
+    OP_COLORS,
+    PAGE_WIDTH_IN,
+    LabFigure,
+    figure_and_axes,
+    legend_outside,
+    by_rank,
+)
 
 PIPE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "weights": "#DD8452",
                "send": OP_COLORS["send"], "recv": OP_COLORS["recv"],
@@ -51,10 +59,11 @@ def _gaps(bars, lo: float, hi: float) -> list[tuple[float, float]]:
 
 def _draw(ax, lanes: dict, comm: dict, window: tuple[float, float], v: int = 1,
           legend: bool | str = True, names: dict | None = None,
-          label_size: float = 7) -> None:
+          label_size: float = MIN_FONT_PT) -> list:
     """lanes: rank -> [(start, end, kind, microbatch, chunk)] compute passes;
     comm: rank -> [(start, end, kind)]; idle = `window` minus the passes.
-    legend: True (beside the axes), "below" (under them, in columns) or False."""
+    Returns the legend's handles (none if not `legend`), for `_place`: the
+    caller places it once the axes' title and labels are set."""
     names = {**PIPE_LABELS, **(names or {})}
     span = max(window[1] - window[0], 1e-12)
     drawn: list[tuple[str, int]] = []
@@ -112,13 +121,21 @@ def _draw(ax, lanes: dict, comm: dict, window: tuple[float, float], v: int = 1,
                 handles.append(Patch(facecolor=_shade(PIPE_COLORS[kind], chunk, v),
                                      edgecolor=_IDLE_EDGE if hatch else "none",
                                      hatch=hatch, label=label))
-        if legend == "below":
-            ax.legend(handles=handles, fontsize="small", loc="upper center",
-                      bbox_to_anchor=(0.5, -0.14), ncol=min(len(handles), 3),
-                      frameon=False)
-        else:
-            ax.legend(handles=handles, fontsize="small", loc="upper left",
-                      bbox_to_anchor=(1.0, 1.0))
+        return handles
+    return []
+
+
+def _place(ax, handles, legend: bool | str, grow: bool) -> None:
+    """legend: True (beside the axes), "below" (under them, in columns), "above"
+    (over the title, in columns) or False. grow: a legend below or above makes
+    the figure taller by its height."""
+    if not legend or not handles:
+        return
+    if legend in ("below", "above"):
+        legend_outside(ax, handles, side=legend, grow=grow, frameon=False)
+    else:
+        ax.legend(handles=handles, fontsize="small", loc="upper left",
+                  bbox_to_anchor=(1.0, 1.0))
 
 
 def _span_kind(span) -> tuple[str, int]:
@@ -126,8 +143,8 @@ def _span_kind(span) -> tuple[str, int]:
     return words[0], int(words[-1]) if words[-1].isdigit() else -1
 
 
-def pipeline_timeline(events, *, ax=None, title: str = "", legend: bool = True
-                      ) -> Figure:
+def pipeline_timeline(events, *, ax=None, title: str = "",
+                      legend: bool | str = True) -> Figure:
     """One lane per stage from the spans real ranks recorded (a timing).
 
     events: rank -> list of Span (PipelineParallel.events): compute "forward i" /
@@ -136,7 +153,7 @@ def pipeline_timeline(events, *, ax=None, title: str = "", legend: bool = True
     the last that ended (any rank) is hatched; receives (posted to arrived) and
     sends (posted to done) are thin bars below. Time counts from the first pass: a
     receive posted earlier (during the previous step) is drawn from there. The
-    title gives each stage's bubble."""
+    title gives each stage's bubble. legend: as schedule_timeline's."""
     from labkit.parallel import bubble_of_total_by_rank
 
     ranks = by_rank(events)
@@ -152,74 +169,98 @@ def pipeline_timeline(events, *, ax=None, title: str = "", legend: bool = True
         comm[rank] = [(ms(s.start), ms(s.end), _span_kind(s)[0])
                       for s in evs if s.kind == "comm" and s.end > origin]
     window = (ms(min(s.start for s in compute)), ms(max(s.end for s in compute)))
-    fig, ax = figure_and_axes(ax, (9, 0.9 + 0.75 * len(ranks)))
-    _draw(ax, lanes, comm, window, legend=legend)
+    own = ax is None
+    fig, ax = figure_and_axes(ax, (PAGE_WIDTH_IN, 0.9 + 0.75 * len(ranks)))
+    handles = _draw(ax, lanes, comm, window, legend=legend)
     bubbles = bubble_of_total_by_rank(list(ranks.values()))
     head = f"{title}: " if title else ""
     ax.set_title(f"{head}idle " + ", ".join(f"{b:.0%} on stage {r}" for r, b in
                                            zip(ranks, bubbles))
-                 + " (a timing)", fontsize=10)
+                 + " (a timing)", fontsize=10, wrap=True)
     ax.set_xlabel("ms since the first pass began")
+    _place(ax, handles, legend, grow=own)
     return fig
 
 
 def pipeline_timelines(runs: dict, *, title: str = "") -> Figure:
     """pipeline_timeline for each run (name -> rank -> spans), stacked, on one
-    time axis (each panel from its own first pass); the legend on the top one."""
+    time axis (each panel from its own first pass); the legend over the top one
+    (the legend of every kind the runs drew)."""
     n = sum(len(by_rank(v)) for v in runs.values())
-    fig = LabFigure(figsize=(10, 0.9 * len(runs) + 0.5 * n), layout="constrained")
+    fig = LabFigure(figsize=(PAGE_WIDTH_IN, 0.9 * len(runs) + 0.5 * n),
+                    layout="constrained")
     axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False)[:, 0]
     lims = []
-    for i, (ax, (name, events)) in enumerate(zip(axes, runs.items())):
-        pipeline_timeline(events, ax=ax, title=name, legend=i == 0)
+    for ax, (name, events) in zip(axes, runs.items()):
+        pipeline_timeline(events, ax=ax, title=name, legend=False)
         lims.append(ax.get_xlim())
         ax.set_xlabel("")
     axes[0].set_xlim(min(a for a, _ in lims), max(b for _, b in lims))  # fit all
     axes[-1].set_xlabel("ms since each run's first pass began")
     if title:
         fig.suptitle(title)
+    _legend_over(axes[0], axes)
     return fig
+
+
+def _legend_over(top, axes) -> None:
+    """One legend over the top panel, of every kind drawn in any panel."""
+    order = ("forward", "backward", "weights", "recv", "send", "idle")
+    drawn = {c.get_gid().split(":")[1].split("/")[0] for ax in axes
+             for c in ax.collections if c.get_gid() and ":" in c.get_gid()}
+    handles = [Patch(facecolor=PIPE_COLORS[k],
+                     edgecolor=_IDLE_EDGE if k == "idle" else "none",
+                     hatch="///" if k == "idle" else None, label=PIPE_LABELS[k])
+               for k in order if k in drawn]
+    legend_outside(top, handles, side="above", frameon=False)
 
 
 def schedule_timeline(sim, *, ax=None, title: str = "", legend: bool | str = True,
-                      unit: str = "one stage's forward", label_size: float = 7
-                      ) -> Figure:
+                      unit: str = "one stage's forward",
+                      label_size: float = MIN_FONT_PT) -> Figure:
     """One lane per stage from the schedule simulator (`simulate_schedule`): F, B
     and (zero-bubble) W passes placed in time, micro-batch numbers on them, idle
     hatched; with v chunks per stage each chunk a lighter shade. legend: beside
-    the axes (True), "below" them (the lanes get the page's width) or False."""
-    lanes = {r: [(o.start, o.end, _KINDS[o.kind], o.microbatch, o.chunk)
-                 for o in ops] for r, ops in sorted(sim.ops.items())}
-    fig, ax = figure_and_axes(ax, (9, 0.9 + 0.6 * len(lanes)))
-    names = ({"backward": "input gradient (B)"} if any(
-        o.kind == "W" for ops in sim.ops.values() for o in ops) else None)
-    _draw(ax, lanes, {}, (0.0, sim.makespan), v=sim.v, legend=legend, names=names,
-          label_size=label_size)
-    v = f", v={sim.v}" if sim.v > 1 else ""
-    head = title or f"{sim.schedule}, p={sim.p}, m={sim.m}{v}"
-    ax.set_title(f"{head}: idle {sim.bubble_of_total:.1%} of the step "
-                 "(simulated)", fontsize=10)
-    ax.set_xlabel(f"time (1 = {unit})")
+    the axes (True), "below" them (the lanes get the page's width), "above"
+    them or False."""
+    own = ax is None
+    fig, ax = figure_and_axes(ax, (PAGE_WIDTH_IN, 0.9 + 0.6 * len(sim.ops)))
+    _schedule(sim, ax, title, legend, label_size, f"time (1 = {unit})", own)
     return fig
 
 
+def _schedule(sim, ax, title, legend, label_size, xlabel: str, grow: bool) -> None:
+    lanes = {r: [(o.start, o.end, _KINDS[o.kind], o.microbatch, o.chunk)
+                 for o in ops] for r, ops in sorted(sim.ops.items())}
+    names = ({"backward": "input gradient (B)"} if any(
+        o.kind == "W" for ops in sim.ops.values() for o in ops) else None)
+    handles = _draw(ax, lanes, {}, (0.0, sim.makespan), v=sim.v, legend=legend,
+                    names=names, label_size=label_size)
+    v = f", v={sim.v}" if sim.v > 1 else ""
+    head = title or f"{sim.schedule}, p={sim.p}, m={sim.m}{v}"
+    ax.set_title(f"{head}: idle {sim.bubble_of_total:.1%} of the step "
+                 "(simulated)", fontsize=10, wrap=True)
+    ax.set_xlabel(xlabel)
+    _place(ax, handles, legend, grow)
+
+
 def schedule_timelines(sims: dict, *, title: str = "", lane: float = 0.42,
-                       legend: bool | str = True, label_size: float = 7) -> Figure:
+                       legend: bool | str = "below",
+                       label_size: float = MIN_FONT_PT) -> Figure:
     """schedule_timeline for each simulation (name -> Simulation), stacked on one
-    time axis; the legend of each panel beside it (or "below" it, which leaves
-    the lanes the page's width). lane: inches of height per stage."""
+    time axis; the legend of each panel below it (which leaves the lanes the
+    page's width; True: beside it). lane: inches of height per stage."""
     n = sum(len(s.ops) for s in sims.values())
-    below = 0.5 if legend == "below" else 0.0
-    fig = LabFigure(figsize=(10, (0.8 + below) * len(sims) + lane * n),
+    below = 0.4 if legend in ("below", "above") else 0.0
+    fig = LabFigure(figsize=(PAGE_WIDTH_IN, (0.8 + below) * len(sims) + lane * n),
                     layout="constrained")
     axes = fig.subplots(len(sims), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, (name, sim) in zip(axes, sims.items()):
-        schedule_timeline(sim, ax=ax, title=name, legend=legend,
-                          label_size=label_size)
-        ax.set_xlabel("")
+    for i, (ax, (name, sim)) in enumerate(zip(axes, sims.items())):
+        last = i == len(axes) - 1
+        _schedule(sim, ax, name, legend, label_size,
+                  "time (1 = one stage's forward)" if last else "", grow=False)
     longest = max(s.makespan for s in sims.values())  # shared x: fit the longest
     axes[0].set_xlim(-0.01 * longest, 1.01 * longest)
-    axes[-1].set_xlabel("time (1 = one stage's forward)")
     if title:
         fig.suptitle(title)
     return fig

@@ -10,7 +10,13 @@ from matplotlib.patches import Patch, Rectangle
 
 from labkit.theory import TERM_GROUP
 from labkit.units import MiB
-from labkit.viz.style import figure_and_axes
+from labkit.viz.style import (
+    PAGE_WIDTH_IN,
+    figure_and_axes,
+    fits_beside,
+    legend_beside_or_below,
+    legend_outside,
+)
 
 # groups of table 2's terms: what splits them, and their colours
 GROUPS = {
@@ -38,7 +44,9 @@ def activation_bars(terms, measured=None, extras=None, *, ax=None,
     segment has gid "strategy/group" (or "strategy/extra: label")."""
     terms = dict(terms)
     extras = extras or {}
-    fig, ax = figure_and_axes(ax, (2.8 + 1.15 * len(terms), 4.0))
+    natural = 2.8 + 1.15 * len(terms)  # the legend beside the bars
+    beside = ax is not None or fits_beside(natural)
+    fig, ax = figure_and_axes(ax, (min(natural, PAGE_WIDTH_IN), 4.0))
     used = [g for g in GROUPS if any(TERM_GROUP.get(k, "sp") == g for t in
                                      terms.values() for k in t)]
     labels = sorted({lab for e in extras.values() for lab in e})
@@ -70,9 +78,12 @@ def activation_bars(terms, measured=None, extras=None, *, ax=None,
     ax.set_xticks(xs, [_wrap(h) for h in terms], fontsize=8)
     ax.set_ylabel(unit_name)
     ax.set_ylim(0, ax.get_ylim()[1] * 1.12)  # room for the numbers on top
-    ax.set_title(title)
-    ax.legend(handles=handles, fontsize="small", loc="upper left",
-              bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title, wrap=True)
+    if beside:
+        ax.legend(handles=handles, fontsize="small", loc="upper left",
+                  bbox_to_anchor=(1.0, 1.0))
+    else:
+        legend_outside(ax, handles)
     return fig
 
 
@@ -95,6 +106,7 @@ def ring_steps_chart(schedule, *, ax=None, title: str = "Ring attention, step by
     blocks = list(schedule)
     steps = sorted({b.step for b in blocks})
     ranks = sorted({b.rank for b in blocks})
+    own = ax is None
     fig, ax = figure_and_axes(ax, (2.6 + 1.0 * len(steps) + 2.6,
                                    0.9 + 0.6 * len(ranks)))
     for b in blocks:
@@ -117,7 +129,11 @@ def ring_steps_chart(schedule, *, ax=None, title: str = "Ring attention, step by
     ax.axis("off")
     ax.set_title(title, fontsize=10)
     kinds = [k for k in KIND_COLORS if any(b.kind == k for b in blocks)]
-    ax.legend(handles=[Patch(facecolor=KIND_COLORS[k], edgecolor="#7F7F7F",
-                             label=KIND_NAMES[k]) for k in kinds],
-              fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    handles = [Patch(facecolor=KIND_COLORS[k], edgecolor="#7F7F7F",
+                     label=KIND_NAMES[k]) for k in kinds]
+    if own:  # below the grid if beside it the figure is too wide
+        legend_beside_or_below(ax, handles, width_below=2.6 + 1.0 * len(steps))
+    else:
+        ax.legend(handles=handles, fontsize="small", loc="upper left",
+                  bbox_to_anchor=(1.0, 1.0))
     return fig

@@ -7,7 +7,13 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from labkit.conventions import MODEL_STATES, STATE_LETTERS
-from labkit.viz.style import CATEGORY_COLORS, figure_and_axes
+from labkit.viz.style import (
+    CATEGORY_COLORS,
+    PAGE_WIDTH_IN,
+    figure_and_axes,
+    fits_beside,
+    legend_outside,
+)
 
 
 def zero_bars(breakdowns, *, ax=None, unit: float = 1e9, unit_name: str = "GB",
@@ -19,7 +25,9 @@ def zero_bars(breakdowns, *, ax=None, unit: float = 1e9, unit_name: str = "GB",
     drawn as a line where it is within reach of the bars; far above them the
     legend says so instead, so that the y-axis always scales to the bars."""
     labels = list(breakdowns)
-    fig, ax = figure_and_axes(ax, (1.5 + 1.3 * len(labels), 3.8))
+    natural = 1.5 + 1.3 * len(labels)  # the legend beside the bars
+    beside = ax is not None or fits_beside(natural)
+    fig, ax = figure_and_axes(ax, (min(natural, PAGE_WIDTH_IN), 3.8))
     bottom = [0.0] * len(labels)
     for part in MODEL_STATES:
         heights = [getattr(breakdowns[k], part.lower()) / unit for k in labels]
@@ -47,9 +55,12 @@ def zero_bars(breakdowns, *, ax=None, unit: float = 1e9, unit_name: str = "GB",
     if highlight in labels:
         ax.get_xticklabels()[labels.index(highlight)].set_fontweight("bold")
     ax.set_ylabel(unit_name)
-    ax.set_title(title)
-    ax.legend(handles, names, fontsize="small", loc="upper left",
-              bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title, wrap=True)
+    if beside:
+        ax.legend(handles, names, fontsize="small", loc="upper left",
+                  bbox_to_anchor=(1.0, 1.0))
+    else:
+        legend_outside(ax, handles, names)
     return fig
 
 

@@ -3,6 +3,8 @@ training state), and bytes per rank grouped by stage (memory or traffic)."""
 
 from __future__ import annotations
 
+import textwrap
+
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
@@ -11,8 +13,13 @@ from labkit.units import MiB
 from labkit.viz.style import (
     CATEGORY_COLORS,
     OP_COLORS,
+    MIN_FONT_PT,
+    PAGE_WIDTH_IN,
     LabFigure,
     figure_and_axes,
+    fits_beside,
+    legend_beside_or_below,
+    legend_outside,
     by_rank,
 )
 
@@ -50,8 +57,10 @@ def steward_grid(holds, *, states=None, names=None, ax=None, title: str = "",
     states = list(states or [s for s in STATE_COLORS if s in met]
                   + sorted(met - set(STATE_COLORS)))
     names = {**STATE_NAMES, **(names or {})}
-    fig, ax = figure_and_axes(ax, (1.6 + 1.25 * len(layers) + (2.6 if legend else 0),
-                         0.9 + 0.85 * len(ranks)))
+    own = ax is None
+    grid = 1.6 + 1.25 * len(layers)
+    fig, ax = figure_and_axes(ax, (grid + (2.6 if legend else 0),
+                                   0.9 + 0.85 * len(ranks)))
     k, w = len(states), 0.9 / max(1, len(states))
     for row, (rank, cells) in enumerate(ranks.items()):
         y = len(ranks) - 1 - row
@@ -68,7 +77,7 @@ def steward_grid(holds, *, states=None, names=None, ax=None, title: str = "",
                 ax.add_patch(bar)
                 ink = _ink(color) if f >= 0.5 else ("black" if f else _EDGE)
                 ax.text(x + w / 2, y + 0.45, s, ha="center", va="center",
-                        fontsize=8 if k <= 5 else 6, color=ink)
+                        fontsize=8 if k <= 5 else MIN_FONT_PT, color=ink)
         ax.text(-0.1, y + 0.45, rank_label.format(rank), ha="right", va="center",
                 fontsize=9)
     for col, layer in enumerate(layers):
@@ -80,7 +89,10 @@ def steward_grid(holds, *, states=None, names=None, ax=None, title: str = "",
     ax.axis("off")
     if title:
         ax.set_title(title, fontsize=10)
-    if legend:
+    if legend and own:  # below the grid if beside it the figure is too wide
+        legend_beside_or_below(ax, _state_handles(states, names), width_below=grid,
+                               title="strip filled = share held")
+    elif legend:
         ax.legend(handles=_state_handles(states, names), fontsize="small",
                   loc="upper left", bbox_to_anchor=(1.0, 1.0),
                   title="strip filled = share held")
@@ -108,8 +120,11 @@ def steward_grids(panels, *, states=None, names=None, rank_label: str = "rank {}
     n_ranks = max(len(by_rank(h)) for h in panels.values())
     cols = max(1, min(ncols, len(panels)))
     rows = -(-len(panels) // cols)
-    fig = LabFigure(figsize=(cols * (0.9 + 1.0 * n_layers) + 0.3,
-                             rows * (0.7 + 0.8 * n_ranks) + 1.0), layout="constrained")
+    width = cols * (0.9 + 1.0 * n_layers) + 0.3
+    scale = min(1.0, PAGE_WIDTH_IN / width)  # the grids keep their proportions
+    fig = LabFigure(figsize=(width * scale,
+                             rows * (0.7 + 0.8 * n_ranks) * scale + 1.0),
+                    layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False).reshape(-1)
     for ax, (label, holds) in zip(axes, panels.items()):
         steward_grid(holds, states=states, names=names, ax=ax, title=label,
@@ -145,7 +160,9 @@ def stage_bars(per_stage, expected=None, *, colors=None, labels=None, ax=None,
     parts = list(dict.fromkeys(p for ranks in stages.values()
                                for d in ranks.values() for p, b in d.items() if b))
     n_bars = sum(len(r) for r in stages.values())
-    fig, ax = figure_and_axes(ax, (2.6 + 0.42 * n_bars + 0.4 * len(stages), 3.8))
+    natural = 2.6 + 0.42 * n_bars + 0.4 * len(stages)  # the legend beside
+    beside = ax is not None or fits_beside(natural)
+    fig, ax = figure_and_axes(ax, (min(natural, PAGE_WIDTH_IN), 3.8))
     x, ticks, tick_labels, centres, tops = 0.0, [], [], [], []
     for label, ranks in stages.items():
         xs = [x + i for i in range(len(ranks))]
@@ -157,7 +174,8 @@ def stage_bars(per_stage, expected=None, *, colors=None, labels=None, ax=None,
                    else None, gid=f"{label}/{part}")
             bottom = [b + v for b, v in zip(bottom, h)]
         for xi, top in zip(xs, bottom) if totals else ():
-            ax.annotate(f"{top:.3g}", (xi, top), xytext=(0, 2.5), fontsize=7,
+            ax.annotate(f"{top:.3g}", (xi, top), xytext=(0, 2.5),
+                        fontsize=MIN_FONT_PT,
                         textcoords="offset points", ha="center", va="bottom")
         if expected is not None and expected.get(label) is not None:
             ax.hlines(expected[label] / unit, xs[0] - 0.45, xs[-1] + 0.45,
@@ -185,12 +203,27 @@ def stage_bars(per_stage, expected=None, *, colors=None, labels=None, ax=None,
     below = (tick.get_tick_padding() + tick.get_pad() if tick else 7.0) \
         + 2 * 1.05 * 8 + 1 + 5  # two 8-pt lines (ranks, "rank"), labelpad, gap
     sec = ax.secondary_xaxis("bottom")
-    sec.set_xticks([c for c, _ in centres], [lab for _, lab in centres])
+    # a stage's name wraps to about its group's width (a 10-pt character is
+    # about 6 pt wide; 0.9 in of the figure go to the y axis)
+    per_bar = (fig.get_figwidth() - 0.9 - (1.9 if beside else 0)) / max(x - 0.8, 1)
+    sec.set_xticks([c for c, _ in centres],
+                   [_wrap_label(lab, (len(stages[lab]) + 0.8) * per_bar * 72 / 6)
+                    for c, lab in centres])
     sec.tick_params(length=0, pad=below)
     sec.spines["bottom"].set_visible(False)
     ax.set_ylabel(ylabel or unit_name)
-    ax.set_title(title)
-    ax.legend(handles, names, fontsize="small", loc="upper left",
-              bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title, wrap=True)
+    if beside:
+        ax.legend(handles, names, fontsize="small", loc="upper left",
+                  bbox_to_anchor=(1.0, 1.0))
+    else:
+        legend_outside(ax, handles, names)
     return fig
+
+
+def _wrap_label(label: str, chars: float) -> str:
+    """Each line of `label` wrapped at words to about `chars` characters."""
+    width = max(8, int(chars))
+    return "\n".join(textwrap.fill(line, width, break_long_words=False)
+                     for line in str(label).split("\n"))
 

@@ -17,7 +17,8 @@ pages, chapter 02 shows its math, every chapter that stored widgets shows their
 figures; a widget's controls are disabled and it is marked a snapshot, except
 controls whose states were drawn ahead (chapter 02's ring step, the ZeRO
 explorer's stage and precision), which are moved through every value and must
-show the state they name; no code block runs off the side of the page, and no
+show the state they name; no code block runs off the side of the page, no
+figure is shrunk to fit it (its smallest text stays ≥ 10 px at 1280 px), and no
 solution is on a page or in a page's download; search finds pages and shows
 their text around the query, from disk as over http.
 """
@@ -233,7 +234,7 @@ def test_book_walks_from_the_index_to_the_last_chapter_offline(book, site_dir, o
     article = page.inner_text("article")
     assert "how large models are trained" in article and "Prerequisites" in article
     page.screenshot(path=str(shots / "book_index.png"))
-    walked, figures, clipped, live = [], [], {}, {}
+    walked, figures, clipped, live, shrunk = [], [], {}, {}, {}
     while page.locator("a.right-next").count():
         page.locator("a.right-next").first.click()
         page.wait_for_load_state("load")
@@ -247,9 +248,14 @@ def test_book_walks_from_the_index_to_the_last_chapter_offline(book, site_dir, o
         wide = page.evaluate(CLIPPED_JS)
         if wide:
             clipped[walked[-1]] = wide
+        small = page.evaluate(SHRUNK_JS)
+        if small:
+            shrunk[walked[-1]] = small
     assert walked == want + ["teaching", "glossary", "references", "formulas"], (
         f"index, then next: {walked}")
     assert not clipped, f"code blocks that run off the page's side: {clipped}"
+    assert not shrunk, (f"figures drawn over 1.15x the column's width, so their "
+                        f"labels shrink below ~10 px (natural/shown px): {shrunk}")
     assert not (site_dir / "book" / "genindex.html").exists(), "an empty index page"
     assert figures == sorted(widgets), f"pages whose widgets' figures show: {figures}"
     # the ring stepper's step and the ZeRO explorer's stage and precision work
@@ -283,6 +289,15 @@ def test_book_search_finds_chapters_offline(book, site_dir, offline):
         assert sum("all-reduce" in t.lower() for t in snippets) >= len(
             snippets) // 2, f"{base}: snippets without the query: {snippets}"
         _check_loaded_alone(page)
+
+
+# figures the page shows at under 96 % of their size: a chart's smallest text,
+# 7.5 pt (labkit.viz.style.MIN_FONT_PT: 10.4 px at 100 dpi), lands under 10 px
+SHRUNK_JS = """() => [...document.querySelectorAll('article img')]
+  .filter(e => e.complete && e.clientWidth > 0
+               && 0.96 * e.naturalWidth > e.clientWidth)
+  .map(e => `${e.src.split('/').pop().slice(0, 16)} ${e.naturalWidth}/`
+            + `${e.clientWidth}`)"""
 
 
 # code blocks of the page wider than their box (a sideways scrollbar, or clipped)
