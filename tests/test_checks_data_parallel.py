@@ -281,9 +281,9 @@ def _sync_rebinds(grads, n_local, world_size):
         dist.all_reduce(g)
 
 
-def _sync_old_counts(grads, n_local, world_size):
+def _sync_old_counts(grads, n_local, world_size, b=13):
     for g in grads:                            # the old check's B: 1 + 6 + 4 + 2
-        g.mul_(n_local / 13)
+        g.mul_(n_local / b)
         dist.all_reduce(g)
 
 
@@ -354,6 +354,18 @@ def test_uneven_right_passes_and_the_stub_is_not_written(cluster, capsys):
 def test_uneven_mistakes_and_shortcuts_are_named(cluster, sync, message):
     with pytest.raises(ExerciseError, match=message):
         check_uneven_shards(cluster, sync)
+
+
+def test_a_batch_size_written_down_is_caught_even_when_the_draw_matches_it(
+        cluster, monkeypatch):
+    # B hard-coded from an earlier run is right whenever a draw has that B (one
+    # draw in 30 for 13): the check's second draw has another B, and fails it
+    from labkit.checks import data_parallel as dp
+
+    seed = next(s for s in range(1000) if sum(dp._uneven_counts(s, 4)) == 13)
+    monkeypatch.setattr(dp, "fresh_seed", lambda: seed)
+    with pytest.raises(ExerciseError, match=r"expected the full-batch gradient"):
+        check_uneven_shards(cluster, _sync_old_counts)
 
 
 # ------------------------------------------------- a sharded parameter server

@@ -380,18 +380,40 @@ def check_uneven_shards(cluster, sync, *, timeout: float = SHORT_TIMEOUT) -> boo
     the gradients of its own mean loss. `sync(grads, n_local, world_size)` must
     leave in each tensor of `grads`, on every rank, the gradient of the mean loss
     over the whole batch of B = sum of b_r examples, which the check computes
-    here in one process. Its communication is held to all-reduces: the counts
-    (a few elements) and the weighted gradients, every element once.
+    here in one process. It runs twice, on two draws whose B differ, so that a B
+    written down from an earlier run cannot be right both times (one draw of
+    four ranks has a given B about 1 time in 30). Its communication is held to
+    all-reduces: the counts (a few elements) and the weighted gradients, every
+    element once.
     """
-    import torch
-
     n = cluster.world_size
     seed = fresh_seed()
-    counts = _uneven_counts(seed, n)
-    res = run_answer(cluster, _uneven_worker, sync, seed, counts, what="sync",
-                     timeout=timeout)
-    if res is None:
-        return NOT_YET
+    first = _uneven_counts(seed, n)
+    second_seed = seed + 1
+    while sum(_uneven_counts(second_seed, n)) == sum(first):
+        second_seed += 1
+    draws = [(seed, first), (second_seed, _uneven_counts(second_seed, n))]
+    psi = sum(p.numel() for p in _small_mlp(seed).parameters())
+    for draw_seed, counts in draws:
+        res = run_answer(cluster, _uneven_worker, sync, draw_seed, counts,
+                         what="sync", timeout=timeout)
+        if res is None:
+            return NOT_YET
+        _uneven_values(res, draw_seed, counts)
+        for rank, (_, calls, _) in enumerate(res):
+            _uneven_calls(rank, calls, psi, n)
+    print(f"correct: with shards of {draws[0][1]} and of {draws[1][1]} examples, "
+          f"drawn this run, every rank holds the full-batch gradient; measured "
+          f"on every rank: all-reduces only, the {psi} gradient elements once "
+          f"({4 * psi} bytes) and the counts")
+    return PASSED
+
+
+def _uneven_values(res, seed: int, counts: list[int]) -> None:
+    """Every rank's gradients against the full batch's, computed here."""
+    import torch
+
+    n = len(counts)
     for rank, (_, _, own) in enumerate(res):
         refuse_own(f"rank {rank}", own, "data parallelism (or ring)")
     total = sum(counts)
@@ -414,14 +436,6 @@ def check_uneven_shards(cluster, sync, *, timeout: float = SHORT_TIMEOUT) -> boo
                 f"{want[at].item():.6g}; "
                 + _uneven_why(got, want, [g[name] for g in local], counts, rank,
                               reduced))
-    psi = sum(p.numel() for p in _small_mlp(seed).parameters())
-    for rank, (_, calls, _) in enumerate(res):
-        _uneven_calls(rank, calls, psi, n)
-    print(f"correct: with shards of {counts} examples drawn this run, every rank "
-          f"holds the full-batch gradient; measured on every rank: all-reduces "
-          f"only, the {psi} gradient elements once ({4 * psi} bytes) and the "
-          "counts")
-    return PASSED
 
 
 def _uneven_why(got, want, local: list, counts: list, rank: int,
