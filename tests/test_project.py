@@ -41,6 +41,29 @@ def test_chapters_are_slides_too(path):
     assert rise.get("scroll") is True, "run `make clean-notebooks`"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_section_has_speaker_notes(path):
+    # a lecturer's notes (markdown tagged `notes`: the decks' speaker view, an
+    # aside on the site) for each `## ` section but the exercises
+    sections, current = {}, None
+    for c in json.loads(path.read_text())["cells"]:
+        text = "".join(c["source"])
+        tagged = "notes" in c["metadata"].get("tags", [])
+        for line in text.splitlines():
+            if c["cell_type"] == "markdown" and line.startswith("## ") and (
+                    not tagged):
+                current = line[3:].strip()
+                sections[current] = []
+        if tagged and current is not None:
+            sections[current].append(text)
+    missing = [s for s, notes in sections.items()
+               if not notes and not s.startswith("Exercises")]
+    assert sections and not missing, f"{path.name}: sections without notes: {missing}"
+    for s, notes in sections.items():
+        assert all(n.startswith("*Speaker notes.*") for n in notes), (
+            f"{path.name}, {s}: notes must open with *Speaker notes.*")
+
+
 def test_clean_strips_outputs_and_counts(tmp_path):
     nb = {"cells": [{"cell_type": "code", "source": "1", "metadata": {},
                      "execution_count": 3,
