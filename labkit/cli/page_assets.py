@@ -89,11 +89,14 @@ article pre, div.cell div.highlight pre, div.cell_output pre, div.output pre {
    wider than the column wraps */
 .widget-slider .slider-container { min-width: 6em; flex: 1 1 auto; }
 .jupyter-widgets.widget-hbox { flex-wrap: wrap; row-gap: 0.3em; }
-/* a column a chart fits at its own size at 1280 px (labkit.viz.style's
-   PAGE_WIDTH_IN, 7.6 in at 100 dpi): the contents panel a little narrower
-   (17rem -> 14rem) and the article's side padding halved; its smallest text,
-   7.5 pt, stays over 10 px */
-:root { --pst-sidebar-secondary: 14rem; }
+/* a column a chart fits at 1280 px (labkit.viz.style's PAGE_WIDTH_IN, 7.6
+   in at 100 dpi: 771 px) at 97.5 % of its size or more, so its smallest text,
+   7.5 pt, stays over 10 px: the contents panel a little narrower (17rem ->
+   15rem, a long name in it wraps) and the article's side padding halved */
+:root { --pst-sidebar-secondary: 15rem; }
+.bd-sidebar-secondary code, .bd-sidebar-secondary code span {
+  overflow-wrap: anywhere; white-space: normal;
+}
 .bd-main .bd-content .bd-article-container .bd-article {
   padding-left: 1rem; padding-right: 1rem;
 }

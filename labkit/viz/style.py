@@ -33,10 +33,10 @@ OP_COLORS = {
 }
 COMPUTE_COLOR = "#D9D9D9"
 
-# The course site's article column is 768 px wide in a 1280 px window
+# The course site's article column is 752 px wide in a 1280 px window
 # (labkit.cli.page_assets.SITE_CSS makes it so) and a figure is saved at 100
 # dpi. A chart is at most PAGE_WIDTH_IN wide (771 px saved, with the padding),
-# so the page shows it at 99.6 % of its size and its smallest text,
+# so the page shows it at 97.5 % of its size or more and its smallest text,
 # MIN_FONT_PT (10.4 px), stays over 10 px; a browser test checks every page.
 # What does not fit beside a chart's axes goes below them.
 PAGE_WIDTH_IN = 7.6

@@ -251,11 +251,14 @@ def test_book_walks_from_the_index_to_the_last_chapter_offline(book, site_dir, o
         small = page.evaluate(SHRUNK_JS)
         if small:
             shrunk[walked[-1]] = small
+        if page.evaluate(PANEL_OVERFLOWS_JS):  # the narrowed contents panel
+            shrunk.setdefault(walked[-1], []).append("contents panel overflows")
     assert walked == want + ["teaching", "glossary", "references", "formulas"], (
         f"index, then next: {walked}")
     assert not clipped, f"code blocks that run off the page's side: {clipped}"
-    assert not shrunk, (f"figures drawn over 1.15x the column's width, so their "
-                        f"labels shrink below ~10 px (natural/shown px): {shrunk}")
+    assert not shrunk, (f"figures shown under 96 % of their size, their smallest "
+                        f"text below 10 px (natural/shown px), or a contents "
+                        f"panel cut off: {shrunk}")
     assert not (site_dir / "book" / "genindex.html").exists(), "an empty index page"
     assert figures == sorted(widgets), f"pages whose widgets' figures show: {figures}"
     # the ring stepper's step and the ZeRO explorer's stage and precision work
@@ -298,6 +301,12 @@ SHRUNK_JS = """() => [...document.querySelectorAll('article img')]
                && 0.96 * e.naturalWidth > e.clientWidth)
   .map(e => `${e.src.split('/').pop().slice(0, 16)} ${e.naturalWidth}/`
             + `${e.clientWidth}`)"""
+
+
+# the page's contents panel (narrowed so a chart fits the column) wider inside
+# than its box: an entry cut off at the window's edge
+PANEL_OVERFLOWS_JS = """() => { const s = document.querySelector(
+  '.bd-sidebar-secondary'); return !!s && s.scrollWidth > s.clientWidth + 1; }"""
 
 
 # code blocks of the page wider than their box (a sideways scrollbar, or clipped)
