@@ -14,10 +14,10 @@ from labkit.units import MiB
 from labkit.viz.style import (
     MIN_FONT_PT,
     PAGE_WIDTH_IN,
+    by_rank,
     figure_and_axes,
     fits_beside,
-    legend_outside,
-    by_rank,
+    place_legend,
     records_of,
 )
 
@@ -313,8 +313,5 @@ def traffic_by_collective(ledgers, *, ax=None, unit: float = MiB,
                   rotation=30, ha="right")
     ax.set_ylabel(f"{unit_name} written")
     ax.set_title(title, wrap=True)
-    if beside:
-        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    else:
-        legend_outside(ax)
+    place_legend(ax, beside=beside)
     return fig

@@ -13,10 +13,11 @@ from labkit.viz.style import (
     OP_COLORS,
     PAGE_WIDTH_IN,
     LabFigure,
+    by_rank,
     figure_and_axes,
     fits_beside,
     legend_outside,
-    by_rank,
+    place_legend,
 )
 
 SCHEME_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860")
@@ -55,11 +56,7 @@ def dp_traffic(measured, expected=None, *, ax=None, unit: float = MiB,
     ax.set_xticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_ylabel(f"{unit_name} written")
     ax.set_title(title, wrap=True)
-    if beside:
-        ax.legend(handles=handles, fontsize="small", loc="upper left",
-                  bbox_to_anchor=(1.0, 1.0))
-    else:
-        legend_outside(ax, handles)
+    place_legend(ax, handles, beside=beside)
     return fig
 
 

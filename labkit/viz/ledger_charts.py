@@ -15,10 +15,10 @@ from labkit.viz.style import (
     COMPUTE_COLOR,
     OP_COLORS,
     PAGE_WIDTH_IN,
+    by_rank,
     figure_and_axes,
     fits_beside,
-    legend_outside,
-    by_rank,
+    place_legend,
     records_of,
 )
 
@@ -66,12 +66,7 @@ def memory_by_rank(per_rank, expected=None, *, ax=None, unit: float = MiB,
 
 def _legend(ax, beside: bool, handles=None) -> None:
     """Beside the axes (top left of the space to their right), or below them."""
-    if beside:
-        kw = {} if handles is None else {"handles": handles}
-        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0),
-                  **kw)
-    else:
-        legend_outside(ax, handles)
+    place_legend(ax, handles, beside=beside)
 
 
 def _bar_label(key) -> str:

@@ -19,9 +19,9 @@ from labkit.viz.style import (
     OP_COLORS,
     PAGE_WIDTH_IN,
     LabFigure,
+    by_rank,
     figure_and_axes,
     legend_outside,
-    by_rank,
 )
 
 PIPE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "weights": "#DD8452",

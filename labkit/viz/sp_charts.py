@@ -15,7 +15,7 @@ from labkit.viz.style import (
     figure_and_axes,
     fits_beside,
     legend_beside_or_below,
-    legend_outside,
+    place_legend,
 )
 
 # groups of table 2's terms: what splits them, and their colours
@@ -79,11 +79,7 @@ def activation_bars(terms, measured=None, extras=None, *, ax=None,
     ax.set_ylabel(unit_name)
     ax.set_ylim(0, ax.get_ylim()[1] * 1.12)  # room for the numbers on top
     ax.set_title(title, wrap=True)
-    if beside:
-        ax.legend(handles=handles, fontsize="small", loc="upper left",
-                  bbox_to_anchor=(1.0, 1.0))
-    else:
-        legend_outside(ax, handles)
+    place_legend(ax, handles, beside=beside)
     return fig
 
 

@@ -89,6 +89,16 @@ def _renderer(fig):
     return fig.canvas.get_renderer()
 
 
+def place_legend(ax, handles=None, labels=None, *, beside: bool) -> Legend:
+    """The axes' legend to their right (`beside`: the chart fits the page with
+    it there, see fits_beside), or centred below them (legend_outside)."""
+    if not beside:
+        return legend_outside(ax, handles, labels)
+    given = {"handles": handles, "labels": labels}
+    return ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                     **{k: v for k, v in given.items() if v is not None})
+
+
 def legend_beside_or_below(ax, handles=None, *, width_below: float, **kw
                            ) -> Legend:
     """The legend beside the axes if the figure, as it is saved (tight), then fits

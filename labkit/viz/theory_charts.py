@@ -12,7 +12,7 @@ from labkit.viz.style import (
     PAGE_WIDTH_IN,
     figure_and_axes,
     fits_beside,
-    legend_outside,
+    place_legend,
 )
 
 
@@ -56,11 +56,7 @@ def zero_bars(breakdowns, *, ax=None, unit: float = 1e9, unit_name: str = "GB",
         ax.get_xticklabels()[labels.index(highlight)].set_fontweight("bold")
     ax.set_ylabel(unit_name)
     ax.set_title(title, wrap=True)
-    if beside:
-        ax.legend(handles, names, fontsize="small", loc="upper left",
-                  bbox_to_anchor=(1.0, 1.0))
-    else:
-        legend_outside(ax, handles, names)
+    place_legend(ax, handles, names, beside=beside)
     return fig
 
 

@@ -12,15 +12,15 @@ from matplotlib.patches import Patch, Rectangle
 from labkit.units import MiB
 from labkit.viz.style import (
     CATEGORY_COLORS,
-    OP_COLORS,
     MIN_FONT_PT,
+    OP_COLORS,
     PAGE_WIDTH_IN,
     LabFigure,
+    by_rank,
     figure_and_axes,
     fits_beside,
     legend_beside_or_below,
-    legend_outside,
-    by_rank,
+    place_legend,
 )
 
 # The notes' five states of mixed-precision Adam (ZeRO paper, sec. 3.1): A and E
@@ -213,11 +213,7 @@ def stage_bars(per_stage, expected=None, *, colors=None, labels=None, ax=None,
     sec.spines["bottom"].set_visible(False)
     ax.set_ylabel(ylabel or unit_name)
     ax.set_title(title, wrap=True)
-    if beside:
-        ax.legend(handles, names, fontsize="small", loc="upper left",
-                  bbox_to_anchor=(1.0, 1.0))
-    else:
-        legend_outside(ax, handles, names)
+    place_legend(ax, handles, names, beside=beside)
     return fig
 
 
