@@ -14,7 +14,7 @@ from pathlib import Path
 
 from labkit import viz
 from labkit.comm import OPS, course_example, ring_steps, simulate
-from labkit.viz.style import PAGE_WIDTH_IN
+from labkit.viz import PAGE_WIDTH_IN
 
 IMAGES = Path(__file__).resolve().parents[2] / "images"
 MARK = "labkit-diagram-data:"

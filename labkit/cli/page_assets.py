@@ -13,7 +13,7 @@ site (labkit/cli/site.py) and the slide decks (vendor.py's deck template).
 
 from __future__ import annotations
 
-from labkit.viz.widgets import LIVE_CLASS
+from labkit.viz import LIVE_CLASS
 
 SNAPSHOT_NOTE = ("Snapshot of the run that built this page: run the chapter in "
                  "JupyterLab (make lab) to move these controls.")

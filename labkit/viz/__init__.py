@@ -37,10 +37,11 @@ from labkit.viz.pipeline_charts import (
     schedule_timelines,
 )
 from labkit.viz.sp_charts import activation_bars, ring_steps_chart
-from labkit.viz.style import CATEGORY_COLORS, OP_COLORS, LabFigure
+from labkit.viz.style import CATEGORY_COLORS, OP_COLORS, PAGE_WIDTH_IN, LabFigure
 from labkit.viz.tables import Comparison, Prose, Row, measured_vs_expected, prose
 from labkit.viz.theory_charts import activation_chart, placement_bars, zero_bars
 from labkit.viz.widgets import (
+    LIVE_CLASS,
     PlacementExplorer,
     RingStepper,
     ZeroExplorer,
@@ -67,3 +68,6 @@ __all__ += ["StrategyChooser", "gemm_roofline", "step_time_bars", "strategy_choo
 __all__ += ["Prose", "prose"]
 __all__ += ["bubble_vs_m", "pipeline_timeline", "pipeline_timelines",
             "schedule_timeline", "schedule_timelines"]
+# what the built pages are laid out for: the column a chart fits, the controls
+# that work with no kernel (labkit.cli.page_assets)
+__all__ += ["LIVE_CLASS", "PAGE_WIDTH_IN"]
