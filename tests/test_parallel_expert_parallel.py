@@ -200,22 +200,22 @@ def test_capacity_and_routing_refuse_what_they_cannot_count():
                        r"factor \(c = E/k = 4 already"):
         capacity(1e308, 2, T, E)
     assert capacity(1e300, 2, T, E) == math.ceil(1e300 * 2)  # large, finite: kept
-    for args, match in (((1.0, 0, T, E), "capacity: k must be a whole number >= 1"),
-                        ((1.0, 2, -1, E), "tokens must be a whole number >= 0"),
-                        ((1.0, 2, T, 0), "experts must be a whole number >= 1")):
+    for args, match in (((1.0, 0, T, E), "capacity: k must be an integer >= 1"),
+                        ((1.0, 2, -1, E), "tokens must be an integer >= 0"),
+                        ((1.0, 2, T, 0), "experts must be an integer >= 1")):
         with pytest.raises(ValueError, match=match):
             capacity(*args)
     chosen = torch.tensor([[0, 1], [0, 1]])
     for cap in (-1, float("nan"), 2.5):
         with pytest.raises(ValueError, match=r"cap, the pairs an expert takes, "
-                           r"must be a whole number >= 0, got"):
+                           r"must be an integer >= 0, got"):
             within_capacity(chosen, E, cap)
     assert not within_capacity(chosen, E, 0).any()  # capacity 0: every pair out
     with pytest.raises(ValueError, match=r"ids from 0 to 9.*ids in \[0, 8\)"):
         within_capacity(torch.tensor([[0, 9]]), E, 1)
-    with pytest.raises(ValueError, match="Router: nodes must be a whole number >= 1"):
+    with pytest.raises(ValueError, match="Router: nodes must be an integer >= 1"):
         Router(H, E, 2, nodes=0)  # was a ZeroDivisionError
-    with pytest.raises(ValueError, match="Router: experts must be a whole number"):
+    with pytest.raises(ValueError, match="Router: experts must be an integer"):
         Router(H, -8, 2)
     router = Router(H, E, 2)
     routing = router(_randn((T, H), 1))

@@ -112,7 +112,7 @@ def _wrap(model, how, wrap):
 def _unit_bytes(fsdp):
     """{unit name: bytes of its parameters gathered whole}."""
     return {u.name: sum(p.full.numel() * p.full.element_size() for p in u.params)
-            for u in fsdp._units}
+            for u in fsdp.sharded_units}
 
 
 def _train(rank, case):
@@ -171,7 +171,7 @@ def _holding(rank, case):
         f = FullyShardedDataParallel(model, wrap=_is_block if case["wrap"] ==
                                      "blocks" else None, root=case["root"])
     return {"held": ledger.holdings(f).parameter, "units": [u.name for u in
-                                                             f._units],
+                                                             f.sharded_units],
             "warnings": [str(w.message) for w in said]}
 
 

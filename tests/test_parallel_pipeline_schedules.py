@@ -125,7 +125,7 @@ def test_mistakes():
         stage_order("interleaved", 4, 6, 0, v=2)
     with pytest.raises(ValueError, match="v = 2 model chunks per rank needs"):
         stage_order("1f1b", 4, 8, 0, v=2)
-    with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 3\]"):
         stage_order("1f1b", 4, 8, 4)
     with pytest.raises(ValueError, match="m must be an integer >= 1"):
         simulate_schedule("gpipe", 4, 0)

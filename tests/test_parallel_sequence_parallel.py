@@ -467,7 +467,7 @@ def test_ring_schedule_and_merge():
     for name, m in (("a, b", merge_partials(a, b)), ("b, a", merge_partials(b, a))):
         oracle.check(m.acc / m.l[..., None], f"merge_partials({name})")
     oracle.resolves(a.acc / a.l[..., None], "one half's softmax")
-    with pytest.raises(ValueError, match="n >= 1"):
+    with pytest.raises(ValueError, match="ranks n must be an integer >= 1, got 0"):
         ring_schedule(0)
 
 

@@ -362,17 +362,11 @@ def _print_lines(c, live: bool) -> float:
     live view on (a stand-in frontend) or off (the transcript to a null stdout)."""
     import contextlib
 
-    from labkit.runtime import call
-
-    saved = call._publisher
-    call._publisher = _Frontend if live else (lambda: None)
-    try:
-        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
-            t = time.perf_counter()
-            res = c.run(_print_many, PRINTED_LINES)
-            seconds = time.perf_counter() - t
-    finally:
-        call._publisher = saved
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+        t = time.perf_counter()
+        res = c.run(_print_many, PRINTED_LINES,
+                    publish=_Frontend() if live else False)
+        seconds = time.perf_counter() - t
     if any(out.count("\n") != PRINTED_LINES for out in res.outputs.values()):
         raise RuntimeError("printed lines went missing")  # all of them, in every run
     return seconds

@@ -35,23 +35,28 @@ CORNERS = {
     "avx512": {"MKL_CBWR": "AVX512", "ATEN_CPU_CAPABILITY": "avx512"},
     "compatible": {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default"},
 }
-NEEDS = {"avx2": "avx2", "avx512": "avx512f", "compatible": None}
+NEEDS = {"avx2": "AVX2", "avx512": "AVX512", "compatible": None}
+WIDTHS = ["DEFAULT", "AVX2", "AVX512"]  # ATen's x86 capabilities, narrow to wide
 
 
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+def cpu_capability() -> str:
+    """The widest vector instructions ATen's kernels use on this CPU, as torch
+    tells it (torch.backends.cpu.get_cpu_capability()), asked of a fresh
+    process without ATEN_CPU_CAPABILITY (which lowers it): "AVX512", "AVX2",
+    "DEFAULT", or another architecture's name."""
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch; "
+         "print(torch.backends.cpu.get_cpu_capability())"],
+        env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
 
 
-def supported(corner: str, flags: set[str]) -> bool:
+def supported(corner: str, capability: str) -> bool:
+    """Whether this CPU (ATen's `capability` on it) can run `corner`."""
     need = NEEDS[corner]
-    return need is None or need in flags
+    return need is None or (capability in WIDTHS
+                            and WIDTHS.index(capability) >= WIDTHS.index(need))
 
 
 def kernels() -> dict[str, str]:
@@ -172,14 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    flags, ran, status = cpu_flags(), [], 0
+    capability, ran, status = cpu_capability(), [], 0
     # make test ran under this shell's settings: the CPU's own kernels
     seen = {} if args.even_covered else {"make test": kernels_under(dict(os.environ))}
     for corner in [c.strip() for c in args.corners.split(",") if c.strip()]:
         if corner not in CORNERS:
             p.error(f"unknown corner {corner!r}: one of {', '.join(CORNERS)}")
         settings = " ".join(f"{k}={v}" for k, v in CORNERS[corner].items())
-        if not supported(corner, flags):
+        if not supported(corner, capability):
             print(f"cpus: {corner} ({settings}) skipped: this CPU has no "
                   f"{NEEDS[corner]}", flush=True)
             continue

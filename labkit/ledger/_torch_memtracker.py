@@ -76,22 +76,22 @@ def tracker_class():
     class _Tracker(MemTracker):
         def __init__(self, ledger):  # the MemoryLedger it reports to
             super().__init__()
-            self._ledger = ledger
+            self.ledger = ledger
 
         def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
-            led = self._ledger
+            led = self.ledger
             if led is None:  # the block ended: a storage freed later changes nothing
                 return
             super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
             mem, cat = winfo.mem_consumed, category_of(winfo)
             if u_type == _UpdateType.ADD:
-                led._change(winfo, {cat: mem}, new=True)
+                led.record_change(winfo, {cat: mem}, new=True)
             elif u_type == _UpdateType.DEL:
-                led._change(winfo, {cat: -mem}, gone=True)
+                led.record_change(winfo, {cat: -mem}, gone=True)
             elif u_type == _UpdateType.REF:
-                led._change(winfo, {str(old_reftype.value): -mem, cat: mem})
+                led.record_change(winfo, {str(old_reftype.value): -mem, cat: mem})
             elif u_type == _UpdateType.SIZE:
-                led._change(winfo, {cat: mem - old_mem_consumed})
+                led.record_change(winfo, {cat: mem - old_mem_consumed})
 
         def _pre_fw_hook(self, module, inputs) -> None:
             # A root module's next forward (the next step or micro-batch):

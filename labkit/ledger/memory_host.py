@@ -12,7 +12,7 @@ from labkit.ledger._torch_memtracker import MEMORY_CATEGORIES, category_of, nbyt
 
 class HostMemory:
     """MemoryLedger's host bytes, a mixin: `host`, `host_peak` (by category) and
-    which storages live there. Uses the ledger's `current`, `_tracker`,
+    which storages live there. Uses the ledger's `current`, `tracker`,
     `_step_depth` and `_apply`."""
 
     def _start_host(self) -> None:
@@ -20,18 +20,18 @@ class HostMemory:
         self.host: dict[str, int] = dict.fromkeys(MEMORY_CATEGORIES, 0)
         self.host_peak: dict[str, int] = dict.fromkeys(MEMORY_CATEGORIES, 0)
         self._host: dict = {}  # winfo -> its host category
-        self._host_ctx: list = []  # open on_host() blocks: category or None
+        self.host_ctx: list = []  # open on_host() blocks: category or None
         self._step_host_new: set = set()
         self._moving = False
 
-    def _to_host(self, t: torch.Tensor, category: str) -> None:
+    def to_host(self, t: torch.Tensor, category: str) -> None:
         """Count `t`'s storages as host memory of `category` from now on."""
-        self._host_ctx.append(category)  # a storage first seen now: straight to host
+        self.host_ctx.append(category)  # a storage first seen now: straight to host
         self._moving = True  # a device one retagged now: not a device peak
         try:
-            winfos = self._tracker.track_as(t, category)
+            winfos = self.tracker.track_as(t, category)
         finally:
-            self._host_ctx.pop()
+            self.host_ctx.pop()
             self._moving = False
         for winfo in winfos:
             old, mem = self._host.get(winfo), nbytes(winfo)
@@ -53,11 +53,11 @@ class HostMemory:
 
     def _is_host(self, winfo, new: bool) -> bool:
         """A host storage, or one made now inside on_host()."""
-        return winfo in self._host or (new and bool(self._host_ctx))
+        return winfo in self._host or (new and bool(self.host_ctx))
 
     def _change_host(self, winfo, deltas: dict, new: bool, gone: bool) -> None:
         if new:  # made inside on_host(): in a step, Temp until it survives it
-            cat = self._host_ctx[-1]
+            cat = self.host_ctx[-1]
             if cat is None:
                 cat = "Temp" if self._step_depth else "Other"
                 if self._step_depth:
@@ -70,7 +70,7 @@ class HostMemory:
         self._observe_host()
 
     def _change_moving(self, winfo, deltas: dict, new: bool, gone: bool) -> None:
-        """_to_host retags a device storage: no device peak."""
+        """to_host retags a device storage: no device peak."""
         self._apply(self.current, deltas)
 
     def _host_step_ended(self) -> None:

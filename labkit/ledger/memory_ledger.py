@@ -84,7 +84,7 @@ class MemoryLedger(HostMemory, OptimizerSteps, Ledger):
         self.local_shards = False  # DTensors were met: counted by local shard
         self.cuda_peak: int | None = None  # the CUDA allocator's own peak, on GPUs
         self.cuda_start: int | None = None  # ... and what it held as the block began
-        self._tracker = None
+        self.tracker = None
         self._handles: list = []
         self._start_steps()  # steps, and what happens inside optimizer.step()
         self._start_host()  # host, host_peak: offloaded state, apart
@@ -111,17 +111,17 @@ class MemoryLedger(HostMemory, OptimizerSteps, Ledger):
         self._claim()
         try:
             self.local_shards = has_dtensor(*self._tracked)
-            self._tracker = tracker_class()(self)
-            self._tracker.track_external(*self._tracked)
+            self.tracker = tracker_class()(self)
+            self.tracker.track_external(*self._tracked)
             for opt in self._tracked:
                 if isinstance(opt, torch.optim.Optimizer):
                     self._track_master_weights(opt)
             for obj in self._tracked:
                 for category, ts in getattr(obj, "host_resident", dict)().items():
                     for t in ts:
-                        self._to_host(t, category)
+                        self.to_host(t, category)
             self._handles = [register_optimizer_step_pre_hook(self._step_pre)]
-            self._tracker.__enter__()  # registers MemTracker's own step hooks
+            self.tracker.__enter__()  # registers MemTracker's own step hooks
             self._handles.append(register_optimizer_step_post_hook(self._step_post))
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.reset_peak_memory_stats()
@@ -137,7 +137,7 @@ class MemoryLedger(HostMemory, OptimizerSteps, Ledger):
             self.local_shards |= has_dtensor(*self._tracked)
         finally:
             try:
-                self._tracker.__exit__(*exc)
+                self.tracker.__exit__(*exc)
             finally:
                 self._remove_hooks()
                 if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -148,9 +148,9 @@ class MemoryLedger(HostMemory, OptimizerSteps, Ledger):
     def _let_go(self) -> None:
         """Drop every reference to what was tracked: a ledger kept for its numbers
         must not keep the model, its gradients or the optimizer's state alive."""
-        if self._tracker is not None:
-            self._tracker._ledger = None  # its storages' finalizers may still fire
-        self._tracked, self._tracker = [], None
+        if self.tracker is not None:
+            self.tracker.ledger = None  # its storages' finalizers may still fire
+        self._tracked, self.tracker = [], None
         self._host, self._step_log = {}, []
         self._step_new, self._step_gone, self._step_host_new = set(), set(), set()
 
@@ -166,9 +166,9 @@ class MemoryLedger(HostMemory, OptimizerSteps, Ledger):
         for group in opt.param_groups:
             for p in group["params"]:
                 if id(p) not in model_params:
-                    self._tracker.track_as(p, "Optstate")
+                    self.tracker.track_as(p, "Optstate")
                     if p.grad is not None:
-                        self._tracker.track_as(p.grad, "Gradient")
+                        self.tracker.track_as(p.grad, "Gradient")
 
     def _tag_grads(self, objs) -> None:
         """Every `.grad` a tracked model or optimizer holds is a Gradient, also
@@ -182,24 +182,24 @@ class MemoryLedger(HostMemory, OptimizerSteps, Ledger):
                 continue
             for p in params:
                 if p.grad is not None:
-                    self._tracker.track_as(p.grad, "Gradient")
+                    self.tracker.track_as(p.grad, "Gradient")
 
     # -- bookkeeping --------------------------------------------------------------
 
     def _phase(self) -> str:
-        in_forward = self._tracker is not None and self._tracker.in_forward()
+        in_forward = self.tracker is not None and self.tracker.in_forward()
         return current_phase(self._phases, bool(self._step_depth), in_forward)
 
     def _phase_entered(self) -> None:
         self._observe(self.current, self._phases[-1])  # a phase allocating nothing
 
-    def _change(self, winfo, deltas: dict, new: bool = False, gone: bool = False):
+    def record_change(self, winfo, deltas: dict, new: bool = False, gone: bool = False):
         """MemTracker saw a storage made (new), freed (gone), resized or retagged:
         `deltas` is bytes by category. One route for each kind of memory."""
         if self._is_host(winfo, new):
             route = self._change_host  # host memory (memory_host.py)
         elif self._moving:
-            route = self._change_moving  # _to_host retags a device storage
+            route = self._change_moving  # to_host retags a device storage
         elif self._step_depth:
             route = self._change_in_step  # inside optimizer.step() (memory_steps)
         else:

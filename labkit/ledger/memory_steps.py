@@ -29,7 +29,7 @@ class Step:
 class OptimizerSteps:
     """MemoryLedger's step side, a mixin: `steps`, and the changes inside
     `optimizer.step()` logged to be replayed once it ends. Uses the ledger's
-    `current`, `_tracker`, `_phases`, `_phase`, `_apply`, `_observe`,
+    `current`, `tracker`, `_phases`, `_phase`, `_apply`, `_observe`,
     `_tag_grads` and `_host_step_ended`."""
 
     def _start_steps(self) -> None:
@@ -85,9 +85,9 @@ class OptimizerSteps:
         params = [p for g in opt.param_groups for p in g["params"]]
         grad_ptrs = {st.data_ptr() for p in params if p.grad is not None
                      for st in storages(p.grad)}
-        for st, winfo in self._tracker.records():
+        for st, winfo in self.tracker.records():
             if winfo in survivors and st.data_ptr() in grad_ptrs:
-                self._tracker.retag(winfo, "Gradient")
+                self.tracker.retag(winfo, "Gradient")
         self._host_step_ended()
         self.steps.append(Step(dict(self._step_peak), dict(self._step_at_peak),
                                dict(self.current)))

@@ -15,7 +15,7 @@ def _recording_ledger():
     from labkit.ledger.common import recording
 
     led = recording("memory")
-    if led is None or getattr(led, "_tracker", None) is None:
+    if led is None or getattr(led, "tracker", None) is None:
         return None
     return led
 
@@ -30,9 +30,9 @@ def count_as(t: torch.Tensor, category: str, *, host: bool = False) -> None:
     led = _recording_ledger()
     if led is not None:
         if host:
-            led._to_host(t, category)
+            led.to_host(t, category)
         else:
-            led._tracker.track_as(t, category)
+            led.tracker.track_as(t, category)
 
 
 @contextlib.contextmanager
@@ -47,8 +47,8 @@ def on_host(category: str | None = None):
     if led is None:
         yield
         return
-    led._host_ctx.append(category)
+    led.host_ctx.append(category)
     try:
         yield
     finally:
-        led._host_ctx.pop()
+        led.host_ctx.pop()

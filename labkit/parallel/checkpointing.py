@@ -31,6 +31,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
+from labkit.arguments import whole
+
 
 class Checkpointed(nn.Module):
     """Forward: `module`'s, keeping only its inputs; backward: recompute, then
@@ -56,8 +58,7 @@ def checkpoint(model: nn.Sequential, every: int = 1, *,
         raise TypeError(f"checkpoint() splits an nn.Sequential into blocks; for a "
                         f"{type(model).__name__}, wrap the submodules you choose in "
                         "Checkpointed(...) instead")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every must be an integer >= 1, got {every!r}")
+    whole(every, "every")
     layers = list(model)
     blocks = [layers[i:i + every] for i in range(0, len(layers), every)]
     out = [Checkpointed(nn.Sequential(*b)) for b in blocks]

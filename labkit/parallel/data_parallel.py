@@ -115,7 +115,7 @@ class DataParallel(torch.nn.Module):
             for t in [p for _, p in unique.values()] + list(module.buffers()):
                 dist.broadcast(t, group=self.group, group_src=0)
         trainable = [(n, p) for n, p in unique.values() if p.requires_grad]
-        self._ids = frozenset(id(p) for _, p in trainable)
+        self.param_ids = frozenset(id(p) for _, p in trainable)
         cap = None if bucket_mb is None else bucket_mb * 2**20
         first = None if first_bucket_mb is None else first_bucket_mb * 2**20
         self._buckets = make_buckets(trainable[::-1], cap, first)

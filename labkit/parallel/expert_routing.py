@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from labkit.arguments import whole
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Router(nn.Module):
         super().__init__()
         for name, v in (("hidden", hidden), ("experts", experts), ("k", k),
                         ("nodes", nodes)):
-            _whole(f"Router: {name}", v, 1)
+            whole(v, f"Router: {name}", 1)
         max_nodes = nodes if max_nodes is None else max_nodes
         if score not in self.SCORES:
             raise ValueError(f"score must be one of {self.SCORES}, not {score!r}")
@@ -166,17 +167,6 @@ def limit_nodes(scores: torch.Tensor, nodes: int, max_nodes: int, k: int
     return scores.masked_fill(~allowed, float("-inf"))
 
 
-def _whole(name: str, v, low: int) -> int:
-    """v as an int, or ValueError naming it unless v is a whole number >= low."""
-    try:
-        n = operator.index(v)  # ints, numpy and 0-d torch integers; no float, bool
-    except TypeError:
-        n = None
-    if n is None or isinstance(v, bool) or n < low:
-        raise ValueError(f"{name} must be a whole number >= {low}, got {v!r}")
-    return n
-
-
 def check_capacity_factor(factor) -> float | None:
     """factor if it is None (no capacity) or a finite number > 0, else
     ValueError saying so (NaN and inf included)."""
@@ -194,8 +184,8 @@ def capacity(factor: float, k: int, tokens: int, experts: int) -> int:
     al. 2021, sec. 2.2, eq. 3, with k choices per token as GShard's 2T/E).
     ValueError for a factor that is not finite and > 0, or k, E < 1, T < 0."""
     check_capacity_factor(factor)
-    k, tokens = _whole("capacity: k", k, 1), _whole("capacity: tokens", tokens, 0)
-    experts = _whole("capacity: experts", experts, 1)
+    k, tokens = whole(k, "capacity: k", 1), whole(tokens, "capacity: tokens", 0)
+    experts = whole(experts, "capacity: experts", 1)
     pairs = factor * k * tokens / experts
     if not math.isfinite(pairs):
         raise ValueError(
@@ -213,8 +203,8 @@ def within_capacity(experts: torch.Tensor, num_experts: int, cap: int | None
     1). cap None: all; else a whole number >= 0."""
     if cap is None:
         return torch.ones_like(experts, dtype=torch.bool)
-    cap = _whole("within_capacity: cap, the pairs an expert takes,", cap, 0)
-    num_experts = _whole("within_capacity: num_experts", num_experts, 1)
+    cap = whole(cap, "within_capacity: cap, the pairs an expert takes,", 0)
+    num_experts = whole(num_experts, "within_capacity: num_experts", 1)
     if experts.dim() != 2:
         raise ValueError(f"within_capacity: experts must be (T, k), one row of "
                          f"expert ids per token, got shape {tuple(experts.shape)}")

@@ -114,7 +114,7 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
             for t in [*_unique_parameters(module), *module.buffers()]:
                 dist.broadcast(t, group=self.group, group_src=0)
         owned, self._replicated = H.assign(module, wrap or has_own_parameters, root)
-        self._units: list[H.Unit] = []
+        self.sharded_units: list[H.Unit] = []
         for path, m, plist in owned:
             sharded = []
             for names, slots, p in plist:
@@ -123,8 +123,8 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
                 for mod, attr in sh.slots:
                     mod._parameters[attr] = sh.shard
                 sharded.append(sh)
-            self._units.append(H.Unit(path or "(root)", m, sharded))
-        if not self._units:
+            self.sharded_units.append(H.Unit(path or "(root)", m, sharded))
+        if not self.sharded_units:
             raise ValueError(
                 "FullyShardedDataParallel: `wrap` selected no module that owns a "
                 "parameter and root=False, so nothing would be sharded; select some "
@@ -133,8 +133,9 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
         if self._replicated:
             _say_replicated(module, self._replicated)
 
-        self._ids = frozenset([id(p.shard) for u in self._units for p in u.params]
-                              + [id(p) for p in self._replicated])
+        self.param_ids = frozenset(
+            [id(p.shard) for u in self.sharded_units for p in u.params]
+            + [id(p) for p in self._replicated])
         self._order: list[H.Unit] = []  # forward order, from the first forward
         self._spans: list[Span] = []
         self._reductions: list[H.Reduction] = []
@@ -146,7 +147,7 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
         self._label = ""
         ref = weakref.ref(self)  # hooks must not keep this wrapper alive
         handles = []
-        for u in self._units:
+        for u in self.sharded_units:
             handles.append(u.module.register_forward_pre_hook(
                 _call(ref, "_pre_forward", u), with_kwargs=True))
             handles.append(u.module.register_forward_hook(_call(ref, "_post_forward",
@@ -168,7 +169,7 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
 
     @property
     def units(self) -> list[str]:
-        return [u.name for u in (self._order or self._units)]
+        return [u.name for u in (self._order or self.sharded_units)]
 
     def forward(self, *args, **kwargs):
         if not self._pending:  # a new step: forget the last one's spans
@@ -176,13 +177,13 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
         if not in_backward():  # no backward of ours runs
             self._backward.reset()
         self._stack = []
-        for u in self._units:
+        for u in self.sharded_units:
             u.ran = False
         self._clock, self._label = time.perf_counter(), "(outside units)"
         out = self.module(*args, **kwargs)
         self._tick()
         self._clock = None  # the loss, outside: not ours to time
-        for u in self._units:  # prefetched but never run (a skipped branch)
+        for u in self.sharded_units:  # prefetched but never run (a skipped branch)
             H.wait_gather(u, self._spans)
             if u.state == "full":
                 self._release(u)
@@ -225,7 +226,7 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
         """{name: the whole parameter, fp32, original shape} for every name
         (tied weights under each of theirs). Collective: call it on every rank."""
         out = {}
-        for u in self._units:
+        for u in self.sharded_units:
             for p in u.params:
                 full = p.shard.new_empty(self.world_size * p.s)
                 dist.all_gather_single(full, p.shard.detach(), group=self.group)
@@ -242,7 +243,7 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
         self._finalizer()
 
     def extra_repr(self) -> str:
-        return (f"units={len(self._units)}, replicated={len(self._replicated)}, "
+        return (f"units={len(self.sharded_units)}, replicated={len(self._replicated)}, "
                 f"world_size={self.world_size}, prefetch={self.prefetch}, "
                 f"compute_dtype={self.compute_dtype}")
 

@@ -23,7 +23,7 @@ from labkit.parallel import fsdp_hooks as H
 class GradientAccumulation:
     """FullyShardedDataParallel's gradient side, a mixin: `_sync` (each backward
     reduce-scatters) and `_held` (whole fp32 gradients, by parameter). Uses the
-    wrapper's `_units`, `group`, `world_size`, `_reductions`, `_fold`,
+    wrapper's `sharded_units`, `group`, `world_size`, `_reductions`, `_fold`,
     `_release` and clock (`_tick`, `_restart_clock`)."""
 
     def _start_holding(self) -> None:
@@ -89,6 +89,6 @@ class GradientAccumulation:
 
     def _send_held(self) -> None:
         """finish: send what set_requires_gradient_sync(False) still holds."""
-        for u in self._units:  # unit order: the same on every rank
+        for u in self.sharded_units:  # unit order: the same on every rank
             if any(p in self._held for p in u.trainable):
                 self._reduce(u, force=True)

@@ -31,7 +31,7 @@ class RecomputeAware:
     """FullyShardedDataParallel's unit forward hooks (a forward or a recompute)
     and the start and end of a backward (its graph tasks), a mixin. Uses the
     wrapper's clock (`_tick`, `_restart_clock`), `_gather`, `_release`,
-    `_prefetch`, `_reduce`, `_hook`, and its `_order`, `_stack`, `_units`,
+    `_prefetch`, `_reduce`, `_hook`, and its `_order`, `_stack`, `sharded_units`,
     `_spans` and `_backward`."""
 
     def _pre_forward(self, u: H.Unit, module, args, kwargs):
@@ -79,7 +79,7 @@ class RecomputeAware:
         if self._backward.seen() or not self._backward.enter():  # inside ours
             return
         self._pending = True
-        for u in self._units:
+        for u in self.sharded_units:
             u.began, u.got, u.reduced = False, set(), False
         self._clock, self._label = time.perf_counter(), "backward"
 
@@ -87,7 +87,7 @@ class RecomputeAware:
         """The outermost graph task ended: send and free what is still due."""
         self._tick()
         self._clock = None
-        for u in self._units:  # a unit whose backward never said it was over
+        for u in self.sharded_units:  # a unit whose backward never said it was over
             if any(p.leaf.grad is not None for p in u.trainable):
                 self._reduce(u)
             H.wait_gather(u, self._spans)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-# live wrappers; each has `_ids` (ids of its parameters) and `step_problem()`
+# live wrappers; each has `param_ids` (ids of its parameters) and `step_problem()`
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 _STEP_HOOK = None
 
@@ -31,7 +31,7 @@ def check_devices(module: torch.nn.Module, group, who: str) -> None:
 def _check_step(opt, args, kwargs) -> None:
     ids = {id(p) for g in opt.param_groups for p in g["params"]}
     for w in list(_LIVE):
-        if not ids.isdisjoint(w._ids):
+        if not ids.isdisjoint(w.param_ids):
             problem = w.step_problem()
             if problem:
                 raise RuntimeError(problem)

@@ -34,6 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from labkit.arguments import whole
 from labkit.ledger import Span, count_as, union
 from labkit.parallel.pipeline_schedules import stage_order
 
@@ -76,9 +77,7 @@ class PipelineParallel(torch.nn.Module):
         if schedule not in RUNTIME_SCHEDULES:
             raise ValueError(f"schedule must be one of {RUNTIME_SCHEDULES} on real "
                              f"ranks (the simulator has more), not {schedule!r}")
-        m = microbatches
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"microbatches must be an integer >= 1, got {m!r}")
+        m = whole(microbatches, "microbatches")
         self.group = group if group is not None else dist.group.WORLD
         self.p, self.stage = dist.get_world_size(self.group), dist.get_rank(self.group)
         if self.stage < 0:

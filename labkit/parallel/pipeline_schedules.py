@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
+from labkit.arguments import whole
 from labkit.theory import check_counts
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -45,8 +46,7 @@ def _check(schedule: str, p: int, m: int, rank: int, v: int) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
     check_counts(p=p, m=m, v=v)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < p:
-        raise ValueError(f"rank must be an integer in [0, {p}), got {rank!r}")
+    whole(rank, "rank", 0, p - 1)
     if v != 1 and schedule != "interleaved":
         raise ValueError(f"v = {v} model chunks per rank needs schedule="
                          f"'interleaved', not {schedule!r}")

@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from labkit.arguments import whole
 from labkit.parallel.models import attention  # the oracle: one process, every score
 
 __all__ = ["Partial", "RingBlock", "attention", "block_partial", "merge_partials",
@@ -92,8 +93,7 @@ class RingBlock:
 def ring_schedule(n: int, causal: bool = False) -> list[RingBlock]:
     """Every (step, rank) of ring attention on n ranks: rank r holds key chunk
     (r - step) mod n at step `step`."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"a ring needs an integer n >= 1 ranks, got {n!r}")
+    whole(n, "a ring's number of ranks n")
     out = []
     for step in range(n):
         for r in range(n):

@@ -83,7 +83,7 @@ class _Entry:
 
 def _entries(fsdp: FullyShardedDataParallel) -> dict[int, _Entry]:
     """id(the tensor a rank holds) -> _Entry, in module order."""
-    sharded = {id(t): p for u in fsdp._units for p in u.params
+    sharded = {id(t): p for u in fsdp.sharded_units for p in u.params
                for t in (p.shard, p.leaf)}  # the module holds one or the other
     out: dict[int, _Entry] = {}
     for name, t in fsdp.module.named_parameters(remove_duplicate=False):

@@ -141,10 +141,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.gather = gather or ("broadcast" if self._backend == "gloo"
                                  else "all_gather")
         self._bucket_bytes = bucket_mb * 2**20  # MiB, like DDP's bucket_cap_mb
-        self._cls, self._inner, self._groups = optimizer_cls, None, []
+        self._cls, self.inner, self.groups = optimizer_cls, None, []
         self._hooks = BucketHooks(self._reduce_bucket) if stage == 2 else None
         super().__init__(params, dict(optimizer_kwargs))
-        self.state = self._inner.state  # the slice's state (holdings counts it)
+        self.state = self.inner.state  # the slice's state (holdings counts it)
 
     # -- layout -----------------------------------------------------------------
 
@@ -152,14 +152,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         g = self.param_groups[-1]
         grp = self._flatten([p for p in g["params"] if p.requires_grad])
-        self._groups.append(grp)
+        self.groups.append(grp)
         # an empty slice (a tiny group on many ranks) keeps every rank's groups alike
         piece = {**g, "params": [grp.flat[grp.lo:grp.hi]]}
-        if self._inner is None:
-            self._inner = self._cls([piece], **self.defaults)
+        if self.inner is None:
+            self.inner = self._cls([piece], **self.defaults)
         else:
-            self._inner.add_param_group(piece)
-        for k, v in self._inner.param_groups[-1].items():
+            self.inner.add_param_group(piece)
+        for k, v in self.inner.param_groups[-1].items():
             g.setdefault(k, v)  # the full hyperparameters, as optimizer_cls keeps them
         if self._hooks is not None:
             self._hooks.add(grp, grp.buckets)
@@ -215,11 +215,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _grad_slices(self) -> list[tuple[torch.Tensor, set]]:
         """This rank's averaged gradient slice of each group, (hi - lo,) each, and
         the group's parameters that got a gradient (the others are not stepped)."""
-        params = [p for grp in self._groups for p in grp.params]
+        params = [p for grp in self.groups for p in grp.params]
         got = [grp.got if self.stage == 2 else
-               {p for p in grp.params if p.grad is not None} for grp in self._groups]
+               {p for p in grp.params if p.grad is not None} for grp in self.groups]
         if self.stage == 2:
-            if all(grp.grad is None for grp in self._groups):
+            if all(grp.grad is None for grp in self.groups):
                 raise RuntimeError("step() before backward(): stage 2 has reduced no "
                                    "gradient since the last step() or zero_grad()")
             if any(p.grad is not None for p in params):
@@ -230,15 +230,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("step() before backward(): no parameter has a "
                                "gradient")
         elif self.reduce_scatter_gradients:
-            for grp in self._groups:
+            for grp in self.groups:
                 for b in grp.buckets:
                     self._reduce_bucket(grp, b)
         if self.reduce_scatter_gradients:
             return [(grp.flat.new_zeros(grp.hi - grp.lo) if grp.grad is None
                      else grp.grad[:grp.hi - grp.lo], mine)
-                    for grp, mine in zip(self._groups, got)]
+                    for grp, mine in zip(self.groups, got)]
         out = []  # gradients averaged by the caller: copy out this rank's slice
-        for grp, mine in zip(self._groups, got):
+        for grp, mine in zip(self.groups, got):
             g = grp.flat.new_zeros(grp.hi - grp.lo)
             count_as(g, "Temp")  # a copy of the .grads' values, for the inner step
             for p in grp.params:
@@ -264,7 +264,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         held = []  # what the step must not change: the skipped parameters' elements
         for i, (g, inner, grp, (grad, got)) in enumerate(zip(
-                self.param_groups, self._inner.param_groups, self._groups,
+                self.param_groups, self.inner.param_groups, self.groups,
                 self._grad_slices())):
             inner.update({k: v for k, v in g.items() if k != "params"})  # lr, ...
             piece = inner["params"][0]
@@ -275,14 +275,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     k: [t[a:b].clone() for a, b in gaps]
                     for k, t in self._elementwise(i, piece).items()}))
             grp.stepped |= got
-        self._inner.step()
+        self.inner.step()
         for i, piece, gaps, saved in held:  # put the skipped elements back
             for k, t in self._elementwise(i, piece).items():
                 for n, (a, b) in enumerate(gaps):  # state born in this step: zero
                     t[a:b].copy_(saved[k][n]) if k in saved else t[a:b].zero_()
-        for inner in self._inner.param_groups:
+        for inner in self.inner.param_groups:
             inner["params"][0].grad = None
-        for grp in self._groups:
+        for grp in self.groups:
             grp.grad, grp.got = None, set()  # consumed: a new backward starts anew
             if grp.s:  # every rank gets every rank's updated slice, in place
                 gather_slices(grp.flat, grp.s, self.gather, self.process_group)
@@ -293,19 +293,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         element: an OffloadedOptimizer's master copy, the state of either (Adam's
         m and v; not a step counter)."""
         keys = {"slice": piece}
-        master = getattr(self._inner, "master", None)  # an OffloadedOptimizer's
+        master = getattr(self.inner, "master", None)  # an OffloadedOptimizer's
         if isinstance(master, list):
             keys["master"] = master[i]
         out = dict(keys)
         for name, key in keys.items():
-            for k, v in self._inner.state.get(key, {}).items():
+            for k, v in self.inner.state.get(key, {}).items():
                 if torch.is_tensor(v) and v.dim() == 1 and v.numel() == piece.numel():
                     out[f"{name} {k}"] = v
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        for grp in self._groups:
+        for grp in self.groups:
             if set_to_none:
                 grp.grad, grp.got = None, set()
             elif grp.grad is not None:
@@ -315,15 +315,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def optim(self) -> torch.optim.Optimizer:
         """The `optimizer_cls` instance that steps this rank's slice (an
         OffloadedOptimizer's `bytes_moved`, say); ZeroRedundancyOptimizer's name."""
-        return self._inner
+        return self.inner
 
     def host_resident(self) -> dict[str, list[torch.Tensor]]:
         """What the inner optimizer keeps in host memory, by category (an
         OffloadedOptimizer's master slice, state and gradient copy), so that the
         memory ledger counts it as host memory; {} for an ordinary optimizer."""
-        if self._inner is None:
+        if self.inner is None:
             return {}
-        return getattr(self._inner, "host_resident", dict)()
+        return getattr(self.inner, "host_resident", dict)()
 
     # -- checkpoints ------------------------------------------------------------------
 

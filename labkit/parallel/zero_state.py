@@ -13,14 +13,14 @@ def state_dict(opt) -> dict:
     """What `optimizer_cls` itself would save, whole: collective, call it on every
     rank. Element-wise state (Adam's m and v) is all-gathered from the slices."""
     state, groups = {}, []
-    for g, grp, inner in zip(opt.param_groups, opt._groups,
-                             opt._inner.param_groups):
+    for g, grp, inner in zip(opt.param_groups, opt.groups,
+                             opt.inner.param_groups):
         index = {p: sum(len(x["params"]) for x in groups) + j
                  for j, p in enumerate(g["params"])}
         groups.append({**{k: v for k, v in g.items() if k != "params"},
                        "params": list(index.values())})
         whole, each = {}, set()
-        for k, v in opt._inner.state.get(inner["params"][0], {}).items():
+        for k, v in opt.inner.state.get(inner["params"][0], {}).items():
             whole[k] = v
             if torch.is_tensor(v) and v.dim() == 1 and grp.s:  # per element
                 mine = v.new_zeros(grp.s)
@@ -47,13 +47,13 @@ def load_state_dict(opt, state_dict: dict) -> None:
                                               for g in opt.param_groups]:
         raise ValueError("the state dict's param groups do not match this "
                          "optimizer's (number of groups or parameters in each)")
-    for g, grp, inner, sg in zip(opt.param_groups, opt._groups,
-                                 opt._inner.param_groups, saved):
+    for g, grp, inner, sg in zip(opt.param_groups, opt.groups,
+                                 opt.inner.param_groups, saved):
         g.update({k: v for k, v in sg.items() if k != "params"})
         index = dict(zip(g["params"], sg["params"]))
         per = [state_dict["state"].get(index[p]) for p in grp.params]
         piece = inner["params"][0]
-        opt._inner.state.pop(piece, None)
+        opt.inner.state.pop(piece, None)
         # a parameter without state was never stepped (torch.optim saves none):
         # its elements start at zero; counters are the first parameter's
         grp.stepped = {p for p, st in zip(grp.params, per) if st}
@@ -70,4 +70,4 @@ def load_state_dict(opt, state_dict: dict) -> None:
                          v.new_zeros(grp.part(p)[1] - grp.part(p)[0])
                          for p, st in zip(grp.params, per)]
                 mine[k] = torch.cat(parts).to(piece)
-        opt._inner.state[piece] = mine
+        opt.inner.state[piece] = mine

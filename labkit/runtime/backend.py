@@ -9,6 +9,7 @@ import subprocess
 import sys
 from datetime import timedelta
 
+from labkit.arguments import whole
 from labkit.runtime.timeouts import DEFAULT, check_seconds
 
 MAX_WORLD_SIZE = 64
@@ -72,12 +73,7 @@ def make_store(timeout: float = DEFAULT.store):
 
 
 def check_world_size(world_size) -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
-    if not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise ValueError(f"world_size must be between 1 and {MAX_WORLD_SIZE}, "
-                         f"got {world_size}")
-    return world_size
+    return whole(world_size, "world_size", 1, MAX_WORLD_SIZE)
 
 
 THREADS_ENV = "LABKIT_THREADS"  # torch threads per rank, for a whole server
@@ -88,7 +84,7 @@ def rank_threads(given, world_size: int) -> int:
     """Torch threads per rank: `given`, else $LABKIT_THREADS, else the cores this
     process may run on (its CPU affinity) shared among the ranks, at least 1."""
     where = "threads"
-    allowed = f"a whole number >= 1 (at most {MAX_THREADS})"
+    allowed = f"an integer in [1, {MAX_THREADS}]"
     if given is None and os.environ.get(THREADS_ENV):
         given, where = os.environ[THREADS_ENV], f"${THREADS_ENV}"
         try:
@@ -99,12 +95,7 @@ def rank_threads(given, world_size: int) -> int:
         cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                  else os.cpu_count() or 1)
         return max(1, cores // world_size)
-    if isinstance(given, bool) or not isinstance(given, int) or \
-            not 1 <= given <= MAX_THREADS:
-        got = f"an integer of {given.bit_length()} bits" if isinstance(given, int) \
-            and given > 10 ** 100 else repr(given)
-        raise ValueError(f"{where} must be {allowed}, got {got}")
-    return given
+    return whole(given, where, 1, MAX_THREADS)
 
 
 def check_timeout(timeout, name: str = "timeout", none: str = "no limit"

@@ -156,10 +156,28 @@ class Cluster:
 
     @property
     def running(self) -> bool:
-        return bool(self._pids)
+        """Ranks are up: a call would not have to start them."""
+        return bool(self._pids) and not self._closed
 
-    def run(self, fn, *args, ranks=None, timeout=_DEFAULT, **kwargs) -> RankResults:
-        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank (or `ranks`)."""
+    def stop_if_idle(self, still_idle) -> bool:
+        """Stop the running ranks unless a call holds the cluster or
+        `still_idle()` says one came meanwhile (its idle timer's check, made
+        under the cluster's lock); True if they were stopped."""
+        if not self._lock.acquire(blocking=False):
+            return False  # a call runs: it arms a new timer when it ends
+        try:
+            if still_idle() and self.running:
+                self._stop_ranks()
+                return True
+            return False
+        finally:
+            self._lock.release()
+
+    def run(self, fn, *args, ranks=None, timeout=_DEFAULT, publish=None,
+            **kwargs) -> RankResults:
+        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank (or `ranks`).
+        publish: where the live view is drawn; None: in the calling cell when a
+        person watches it, False: nowhere, or a callable(bundle, final)."""
         if not callable(fn):
             raise TypeError(f"run() needs a function to run, got {type(fn).__name__}")
         ranks = check_ranks(ranks, self.world_size)
@@ -174,7 +192,8 @@ class Cluster:
             try:
                 self._ensure_running()
                 self._calls += 1
-                return CallInFlight(self.links(), ranks, timeout).collect(payload)
+                return CallInFlight(self.links(), ranks, timeout,
+                                    publish).collect(payload)
             except Interrupted as e:  # close() or restart() from another thread
                 self._stop_ranks()
                 raise self._interrupted(e.by) from None

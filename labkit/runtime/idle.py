@@ -51,7 +51,7 @@ class IdleTimer:
         self.disarm()
         c = self._cluster()
         seconds = None if c is None else c.idle_timeout
-        if seconds and c._pids and not c._closed:
+        if seconds and c.running:
             self.seconds = seconds
             self._timer = threading.Timer(seconds, self._fire, (self._armed,))
             self._timer.daemon = True
@@ -65,11 +65,5 @@ class IdleTimer:
     def _fire(self, armed: int) -> None:
         """Stop the ranks unless a call came (or runs) meanwhile."""
         c = self._cluster()
-        if c is None or not c._lock.acquire(blocking=False):
-            return  # gone, or a call is running: it arms a new timer when it ends
-        try:
-            if self._armed == armed and c._pids and not c._closed:
-                c._stop_ranks()
-                self.fired = True
-        finally:
-            c._lock.release()
+        if c is not None and c.stop_if_idle(lambda: self._armed == armed):
+            self.fired = True

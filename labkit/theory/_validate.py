@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
+from labkit.arguments import whole
+
 
 def check_counts(**counts) -> None:
-    """Each a whole number >= 1 (a bool is not one), or a ValueError naming it."""
+    """Each a whole number >= 1 (a bool is not one), or an error naming it."""
     for name, v in counts.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        whole(v, name)
 
 
 def check_n(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"the number of ranks must be an integer >= 1, got {n!r}")
-    return n
+    return whole(n, "the number of ranks")
 
 
 

@@ -1,0 +1,27 @@
+"""Argument checks every layer shares (standard library only): an error a
+student can read, naming the argument, what it must be and what it got."""
+
+from __future__ import annotations
+
+import operator
+
+
+class ArgumentError(ValueError, TypeError):
+    """A wrong argument, wrong in kind (2.0 where a count goes) or in value
+    (0 ranks): either `except` catches it."""
+
+
+def whole(value, name: str, low: int = 1, high: int | None = None) -> int:
+    """`value` as an int if it is a whole number in [low, high] (a Python,
+    NumPy or 0-d torch integer; a bool or a float is not one), else an
+    ArgumentError naming `name`."""
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < low or (high is not None and n > high):
+        span = f">= {low}" if high is None else f"in [{low}, {high}]"
+        got = (f"an integer of {n.bit_length()} bits" if n is not None
+               and abs(n) > 10 ** 30 else repr(value))
+        raise ArgumentError(f"{name} must be an integer {span}, got {got}")
+    return n
