@@ -340,7 +340,7 @@ def _mistakes(rank, world_size):
             return str(e)
 
     x, y = _batch()
-    make = lambda **kw: PipelineParallel(  # noqa: E731
+    make = lambda **kw: PipelineParallel(
         _model(), **{"microbatches": 4, "loss_fn": F.mse_loss, **kw})
     out = {"layers": error(lambda: make(balance=[2, 2, 2])),
            "schedule": error(lambda: make(schedule="zb-h1")),

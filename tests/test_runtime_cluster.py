@@ -428,7 +428,7 @@ def test_a_successor_forkserver_takes_over_with_more_imported():
     it, new ranks come with the memory ledger and torch._dynamo already in. The
     ledger asks for itself (the runtime names no layer above it), and a module
     asked for after the forkserver started reaches ranks too."""
-    import labkit.ledger  # noqa: F401  (asks the forkserver for itself)
+    import labkit.ledger
     from labkit.runtime.forkserver import PRELOAD_WHEN_IDLE, preload_when_idle
 
     asked = (*PRELOAD_WHEN_IDLE, "labkit.ledger", "wave")

@@ -95,7 +95,7 @@ def test_interrupting_the_kernel_stops_the_ranks_and_keeps_the_cluster():
     km, kc = start_new_kernel(kernel_name="python3")
     try:
         outputs = []
-        hook = lambda m: outputs.append(m["content"])  # noqa: E731
+        hook = lambda m: outputs.append(m["content"])
         kc.execute_interactive(START, timeout=120, output_hook=hook)
         pids = _pids_from(outputs)[:2]
         # stop_on_error=False: else ipykernel aborts a request that reaches it

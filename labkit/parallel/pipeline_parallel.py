@@ -89,7 +89,7 @@ class PipelineParallel(torch.nn.Module):
         self.layers = (lo, hi)
         self.microbatches, self.loss_fn, self.schedule = m, loss_fn, schedule
         self.order = stage_order(schedule, self.p, m, self.stage)
-        peer = lambda s: dist.get_global_rank(self.group, s)  # noqa: E731
+        peer = lambda s: dist.get_global_rank(self.group, s)
         self.prev = peer(self.stage - 1) if self.stage > 0 else None
         self.next = peer(self.stage + 1) if self.stage < self.p - 1 else None
         self._spans: list[Span] = []

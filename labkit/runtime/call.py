@@ -335,7 +335,7 @@ def pack_call(fn, args, kwargs) -> bytes:
     for what, obj in pieces:
         try:
             cloudpickle.dumps(obj, protocol=5)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise TypeError(
                 f"{what} cannot be sent to the ranks: {type(e).__name__}: {e}"
             ) from e

@@ -33,7 +33,7 @@ def serve(ctrl_fd: int, lifeline_fd: int, kernel_pid: int) -> None:
     """The forkserver's main: import torch, say ready, fork ranks on request."""
     os.environ[ROLE_ENV] = "forkserver"
     import cloudpickle  # noqa: F401  (imported once here, inherited by every rank)
-    import torch  # noqa: F401
+    import torch
     import torch.distributed  # noqa: F401
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -161,7 +161,7 @@ def pipeline_timeline(events, *, ax=None, title: str = "",
     if not compute:
         raise ValueError("no compute spans: nothing ran")
     origin = min(s.start for s in compute)  # the step's first pass
-    ms = lambda t: 1e3 * (max(t, origin) - origin)  # noqa: E731
+    ms = lambda t: 1e3 * (max(t, origin) - origin)
     lanes, comm = {}, {}
     for rank, evs in ranks.items():
         lanes[rank] = [(ms(s.start), ms(s.end), *_span_kind(s), 0)

@@ -333,7 +333,7 @@ def widget_factories() -> set[str]:
         elif callable(obj):
             try:
                 ret = typing.get_type_hints(obj).get("return")
-            except Exception:
+            except Exception:  # noqa: BLE001  (a hint that cannot resolve)
                 continue
             if isinstance(ret, type) and issubclass(ret, ipywidgets.Widget):
                 names.add(name)
