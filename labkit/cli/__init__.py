@@ -1,2 +1,4 @@
-"""Layer 6, the command line: `python -m labkit doctor | bench | images |
-clean-notebooks | launch | student`. May import every layer; nothing imports it."""
+"""Layer 6, the command line: `python -m labkit doctor | bench | images | launch
+| export | results | clean-notebooks | student | nbgrader | footprint`, and the
+builds behind `make book` and `make slides` (site, editions, vendor). May import
+every layer's face; nothing imports it."""

@@ -6,8 +6,9 @@ messages between kernel, forkserver and ranks (messages.py) over length-prefixed
 frames (wire.py), results and errors (results.py), how long each wait may take
 (timeouts.py), `%%ranks` (magics.py), and
 `launch` under torchrun (launch.py) and the per-rank result files it writes and
-`load_results` merges (results_io.py). Imports only labkit.units and the standard
-library, torch and cloudpickle.
+`load_results` merges (results_io.py). Imports from labkit only labkit.units and
+labkit.arguments; beside the standard library, torch, cloudpickle and IPython
+(the cell's live view, `%%ranks`).
 """
 
 from labkit.runtime import forkserver as _forkserver
