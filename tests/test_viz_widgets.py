@@ -162,8 +162,13 @@ def test_ring_stepper_steps_work_without_a_kernel():
         w.step.value = k
         assert w.info.value == shown[k]
     assert LIVE_CLASS not in w.n._dom_classes and LIVE_CLASS in w.step._dom_classes
-    # a new N (kernel only) draws its steps as they are shown
+    # a new N (kernel only) draws its steps as they are shown, and the kernel
+    # lets go of the old N's pages (stacks, pictures, links)
+    before = w.pages
     w.n.value = 6
+    assert before.comm is None and before.links[0].comm is None
+    assert all(leaf.comm is None and leaf.children[1].comm is None
+               for leaf in before.leaves.values())
     assert _static_view(w, {w.step: 9}) is None
     w.step.value = 9
     assert "after step 9 of 10" in _static_view(w, {w.step: 9})
@@ -184,3 +189,9 @@ def test_zero_explorer_stage_and_precision_work_without_a_kernel():
     w.n.value = 8
     assert _static_view(w, {w.precision: 0, w.stage: 0}) is None
     assert "on N = 8" in w.info.value
+    # the chart shown is the one drawn for the state shown, even one drawn
+    # before another (a kernel keeps one Figure, not one a state)
+    w.stage.value = 0
+    w.stage.value = 3
+    assert w.precision.value == "fp32"  # 4 + 4 + 12 bytes: 20 Ψ / N
+    assert _gb_bars(w.figure)[3] == pytest.approx(20 * 7.5e9 / 8 / 1e9)

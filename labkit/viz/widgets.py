@@ -43,11 +43,14 @@ class Pages(W.Stack):
     draw(key) -> (caption html, figure) draws the state at key, a tuple with
     one index per level. In a kernel a state is drawn when first shown;
     `fill()` draws them all (the widget's first state, the one a built page
-    keeps) and `forget()` drops them when another control changes them all."""
+    keeps) and `forget()` drops them when another control changes them all.
+    A drawn state is kept as its picture only: one matplotlib Figure a state
+    would hold hundreds of MB for the ring's 31 steps at N = 16."""
 
     def __init__(self, sizes: tuple[int, ...], draw):
         self.sizes, self._draw_state = tuple(sizes), draw
-        self.figures: dict[tuple, object] = {}
+        self.drawn: set[tuple] = set()
+        self._figure: tuple | None = None  # (key, Figure) of the last drawn
         self.leaves: dict[tuple, W.VBox] = {}
         self.links: list[W.Link] = []
         super().__init__(self._build(()), selected_index=0)
@@ -77,12 +80,13 @@ class Pages(W.Stack):
     def show(self, key: tuple) -> None:
         """Select and, if not drawn yet, draw the state at key."""
         key = tuple(key)
-        if key not in self.figures:
+        if key not in self.drawn:
             caption, fig = self._draw_state(key)
             html, out = self.leaves[key].children
             html.value = caption
             show_output(out, fig)
-            self.figures[key] = fig
+            self.drawn.add(key)
+            self._figure = (key, fig)
         stack = self
         for i in key:  # what jslink does in a browser, for a kernel on its own
             stack.selected_index = i
@@ -101,7 +105,20 @@ class Pages(W.Stack):
         """Drop every drawn state: another control has changed them all."""
         for html, out in (leaf.children for leaf in self.leaves.values()):
             html.value, out.outputs = "", ()
-        self.figures.clear()
+        self.drawn.clear()
+        self._figure = None
+
+    def close(self) -> None:
+        """Close every widget of these pages (their stacks, leaves and links),
+        so a kernel lets go of the pages a new N replaced."""
+        for link in self.links:
+            link.close()
+        for leaf in self.leaves.values():
+            for w in (*leaf.children, leaf):
+                w.close()
+        for level in range(len(self.sizes) - 1, -1, -1):
+            for s in self.stacks(level):
+                W.Stack.close(s)
 
     @property
     def caption(self) -> W.HTML:
@@ -109,7 +126,12 @@ class Pages(W.Stack):
 
     @property
     def figure(self):
-        return self.figures.get(self.key)
+        """The chart shown (drawn again if it was drawn before another)."""
+        if self.key not in self.drawn:
+            return None
+        if self._figure is None or self._figure[0] != self.key:
+            self._figure = (self.key, self._draw_state(self.key)[1])
+        return self._figure[1]
 
 
 class RingStepper(W.VBox):
@@ -148,8 +170,9 @@ class RingStepper(W.VBox):
     def _new_n(self, change=None) -> None:
         self.step.max = 2 * (self.n.value - 1)
         self.step.value = min(self.step.value, self.step.max)
-        self.pages = self._pages()
+        old, self.pages = self.pages, self._pages()
         self.children = [self.children[0], self.pages]
+        old.close()
 
     def _draw(self, change=None) -> None:
         if self.step.value < len(self.pages.leaves):  # not while N shrinks
