@@ -23,6 +23,8 @@ from pathlib import Path
 
 import bs4
 
+from labkit.cli import atomic
+
 SCRIPT = "labkit-search.js"
 DROP = (".headerlink", "script", "style", ".cell_output", ".jupyter-widgets",
         "button", ".prev-next-area", "nav", ".toctree-wrapper")
@@ -87,7 +89,7 @@ def write(out: Path, pages: list[str]) -> Path:
             for p in pages if (out / f"{p}.html").exists()}
     js = SEARCH_JS % json.dumps(text, ensure_ascii=False)
     path = out / "_static" / SCRIPT
-    path.write_text(js, encoding="utf-8")
+    atomic.write_text(path, js)
     return path
 
 

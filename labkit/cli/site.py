@@ -23,7 +23,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit.cli import editions, page_assets, references, search_text, student
+from labkit.cli import (
+    atomic,
+    editions,
+    page_assets,
+    references,
+    search_text,
+    student,
+)
 from labkit.cli.nbclean import NOTES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -362,8 +369,7 @@ def notes_as_asides(path: Path) -> None:
             text = re.sub(r"^\*Speaker notes\.?\*\s*", "", text)
             c["source"] = (f"````{{admonition}} Speaker notes\n:class: "
                            f"labkit-notes\n{text}\n````")
-    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n",
-                    encoding="utf-8")
+    atomic.write_text(path, json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
 
 
 def write_project(executed: Path, src: Path, vendor: Path,
