@@ -257,10 +257,8 @@ STRATEGIES = {"one process": (False, False), "tensor parallel": (True, False),
 
 
 def _activations(rank, world_size):
-    from labkit.parallel.sequence_parallel import (
-        ParallelTransformerLayer,
-        forward_activations,
-    )
+    from labkit.ledger import forward_activations
+    from labkit.parallel.sequence_parallel import ParallelTransformerLayer
 
     s, b, h, a = MEM
     out = {}

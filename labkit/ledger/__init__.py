@@ -11,18 +11,13 @@ when anything runs.
 """
 
 from labkit.conventions import MODEL_STATES
+from labkit.ledger.activations import forward_activations
 from labkit.runtime import forkserver as _forkserver
-from labkit.ledger.common import Ledger, in_backward, recording
+from labkit.ledger.common import Ledger, recording
 from labkit.ledger.holdings_ledger import Holdings, holdings
 from labkit.ledger.memory_ledger import MEMORY_CATEGORIES, MemoryLedger, Step, memory
-from labkit.ledger.tagging import count_as, on_host
-from labkit.ledger.timeline_ledger import (
-    Span,
-    TimelineLedger,
-    overlap_fraction,
-    timeline,
-    union,
-)
+from labkit.ledger.timeline_ledger import TimelineLedger, overlap_fraction, timeline
+from labkit.probe import Span, count_as, in_backward, on_host, union
 from labkit.ledger.traffic_ledger import (
     Record,
     TrafficLedger,
@@ -36,7 +31,8 @@ __all__ = ["MEMORY_CATEGORIES", "MODEL_STATES", "Holdings", "MemoryLedger", "Rec
            "Step", "Span", "TimelineLedger", "TrafficLedger", "count_as", "holdings",
            "memory", "on_host", "overlap_fraction", "sum_records", "summarize",
            "timeline", "traffic"]
-__all__ += ["Ledger", "by_group", "in_backward", "recording", "union"]
+__all__ += ["Ledger", "by_group", "forward_activations", "in_backward", "recording",
+            "union"]
 
 # ranks forked from now on start with the ledger imported (DTensor: ~2 s each)
 _forkserver.preload_when_idle(__name__)

@@ -5,15 +5,8 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
-_ACTIVE: dict[str, Ledger] = {}  # kind ("memory", "traffic") -> the recording one
-
-
-def in_backward() -> bool:
-    """Autograd runs a graph task on this thread: a backward (a forward now is an
-    activation checkpoint's recompute)."""
-    return torch._C._current_graph_task_id() != -1
+from labkit import probe
+from labkit.probe import in_backward
 
 
 def current_phase(explicit: list[str], in_optimizer: bool, in_forward: bool) -> str:
@@ -30,7 +23,7 @@ def current_phase(explicit: list[str], in_optimizer: bool, in_forward: bool) -> 
 
 def recording(kind: str) -> Ledger | None:
     """The ledger of this kind recording in this process, if one is."""
-    return _ACTIVE.get(kind)
+    return probe.listening(kind)
 
 
 class Ledger:
@@ -97,16 +90,12 @@ class Ledger:
         """Called when a `phase()` block opens (the memory ledger observes there)."""
 
     def _claim(self) -> None:
-        """One recording ledger of each kind per process: nesting is refused."""
-        if self.kind in _ACTIVE:
-            raise RuntimeError(
-                f"a {self.kind} ledger is already recording in this process; "
-                f"nested {self.kind} ledgers are not supported")
-        _ACTIVE[self.kind] = self
+        """Listen to labkit.probe: one recording ledger of each kind per process
+        (nesting is refused)."""
+        probe.listen(self.kind, self)
 
     def _release(self) -> None:
-        if _ACTIVE.get(self.kind) is self:
-            del _ACTIVE[self.kind]
+        probe.stop_listening(self.kind, self)
 
     def __getstate__(self):
         return {k: getattr(self, k) for k in self.fields}

@@ -5,6 +5,8 @@ and what a tracked object's `host_resident()` returns ({category: tensors})."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from labkit.ledger._torch_memtracker import MEMORY_CATEGORIES, category_of, nbytes
@@ -23,6 +25,29 @@ class HostMemory:
         self.host_ctx: list = []  # open on_host() blocks: category or None
         self._step_host_new: set = set()
         self._moving = False
+
+    # -- what labkit.probe passes on from a technique --------------------------------
+
+    def count_as(self, t: torch.Tensor, category: str, *, host: bool = False) -> None:
+        """labkit.probe.count_as: `t` is held as `category` (on the host: host=True)."""
+        if self.tracker is None:  # not started, or stopped
+            return
+        if host:
+            self.to_host(t, category)
+        else:
+            self.tracker.track_as(t, category)
+
+    @contextlib.contextmanager
+    def on_host(self, category: str | None = None):
+        """labkit.probe.on_host: storages made in this block are host memory."""
+        if self.tracker is None:
+            yield
+            return
+        self.host_ctx.append(category)
+        try:
+            yield
+        finally:
+            self.host_ctx.pop()
 
     def to_host(self, t: torch.Tensor, category: str) -> None:
         """Count `t`'s storages as host memory of `category` from now on."""

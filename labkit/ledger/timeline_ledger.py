@@ -23,46 +23,16 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit.ledger.common import Ledger
+from labkit.probe import Span, union
 from labkit.ledger.c10d_calls import classify, tensors
 
 POLL_S = 2e-4  # how often the watcher asks an unfinished work without a future
-
-
-@dataclass(frozen=True)
-class Span:
-    """One stretch of work on one rank: compute (backward) or a collective."""
-
-    kind: str  # "compute" or "comm"
-    name: str  # "backward", "all_reduce bucket 0", ...
-    start: float  # time.perf_counter(): compute began, or the collective was issued
-    end: float  # compute ended, or the collective completed
-    nbytes: int = 0  # payload of a collective (0 for compute)
-
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def union(spans) -> list[tuple[float, float]]:
-    """Merge spans (or (start, end) pairs) into sorted, disjoint intervals."""
-    pairs = sorted((s.start, s.end) if isinstance(s, Span) else tuple(s) for s in spans)
-    out: list[tuple[float, float]] = []
-    for a, b in pairs:
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        elif b > a:
-            out.append((a, b))
-    return out
 
 
 def _length(intervals) -> float:

@@ -1,28 +1,10 @@
 """Layer 3, parallel training techniques: one technique per file, each a wrapper
 or transform over a plain nn.Module, each checked against single-process training.
 
-May import theory, ledger and runtime. models (the course's transformer in one
-process, [s, b, h], one attention function: what every technique below splits),
-data_parallel (naive, overlapped and bucketed all-reduce, and the parameter
-server; data_parallel_buckets their flat buckets), precision (bf16 compute with
-fp32 master weights), zero (ZeRO-1/2: optimizer state and gradients sharded),
-fsdp (ZeRO-3: parameters sharded too, gathered per module; fsdp_hooks its
-autograd side), reduce_scatter (gloo's missing reduce-scatter as one all-to-all
-and a local sum), guards (the device and optimizer-step checks every wrapper
-makes), checkpointing (recompute activations in backward), offload (optimizer
-state and its step in host memory, ZeRO-Offload), groups (the tp/cp/pp/dp/ep rank
-grid), tensor_parallel (Megatron's column- and row-parallel layers;
-tensor_parallel_mappings their f, g and sequence all-gather/reduce-scatter as
-autograd functions), sequence_parallel (LayerNorm and dropout on sequence
-shards), context parallelism three ways: ring_attention (keys and values passed
-round a ring), ulysses (all-to-all from sequence shards to head shards and back)
-and allgather_attention (Llama 3's all-gather of keys and values),
-expert_parallel and expert_routing (a mixture-of-experts layer, its router, and
-the all-to-all dispatch and combine), pipeline_parallel (PipelineParallel: layers
-cut into stages over a process group, GPipe and 1F1B, spans and measured bubble),
-pipeline_schedules (each stage's order for GPipe, 1F1B, interleaved and ZB-H1;
-simulate_schedule), three_d (DP x PP x TP of a tiny GPT on a rank grid).
-The spans the wrappers record are labkit.ledger's Span.
+May import theory, probe and runtime, never the ledgers (import-linter's second
+contract): a technique says what it does through labkit.probe (its spans, what a
+tensor is held as) and a ledger that records listens there. docs/design.md says
+which file holds which technique.
 """
 
 from labkit.parallel.checkpointing import (
@@ -77,10 +59,7 @@ from labkit.parallel.ring_attention import (
     ring_schedule,
     shard_sequence,
 )
-from labkit.parallel.sequence_parallel import (
-    forward_activations,
-    sync_sequence_parallel_grads,
-)
+from labkit.parallel.sequence_parallel import sync_sequence_parallel_grads
 from labkit.parallel.tensor_parallel_mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -131,7 +110,7 @@ __all__ += ["checkpoint_bytes", "load_full_state_dict", "load_sharded", "save_sh
 # named by chapters (one face per layer: tests/test_public_faces.py)
 __all__ += ["Action", "GPTBlock", "Partial", "RingBlock",
             "MLP", "RecordedDDP", "SelfAttention", "attention", "block_partial",
-            "copy_to_tensor_model_parallel_region", "forward_activations",
+            "copy_to_tensor_model_parallel_region",
             "gather_from_sequence_parallel_region", "merge_partials", "peak_in_flight",
             "reduce_from_tensor_model_parallel_region",
             "reduce_scatter_to_sequence_parallel_region", "ring_schedule",

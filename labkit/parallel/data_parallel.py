@@ -48,24 +48,23 @@ from __future__ import annotations
 
 import time
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-from labkit.ledger import Span, count_as, recording
 from labkit.parallel import guards
 from labkit.parallel.data_parallel_buckets import (
     Bucket,
-    completed_at,
     make_buckets,
     pack,
     pack_bits,
     unpack,
     unpack_bits,
 )
+from labkit.probe import Span, Spans, completed_at, count_as, phase
 
 
 class DataParallel(torch.nn.Module):
@@ -123,13 +122,12 @@ class DataParallel(torch.nn.Module):
         self._used = bytearray(len(self._names))  # backward reached it this step
         self._next = 0  # the next bucket to send (in order, as DDP)
 
-        self._spans: list[Span] = []
+        self._spans = Spans()  # this step's, for `events`
         self._pending = False  # backward made gradients not yet averaged
         self._sync = True  # False inside no_sync(): backward only accumulates
         self._accumulated = False  # a backward ran inside no_sync() since finish
         self._awaiting_weights = False  # parameter_server: step done, not sent
         self._backward = guards.Backward(self, "_backward_ended")
-        self._compute_start = 0.0
         ref = weakref.ref(self)  # hooks must not keep this wrapper alive
         params = [(b, p) for b in self._buckets for p in b.params]
         handles = [p.register_post_accumulate_grad_hook(partial(_on_grad, ref, b, i))
@@ -221,8 +219,8 @@ class DataParallel(torch.nn.Module):
         try:
             for b in self._buckets:
                 b.work.wait()
-                self._spans.append(Span("comm", f"{op} bucket {b.index}", b.issued,
-                                        b.done.wait(), b.flat.nbytes))
+                self._spans.comm(f"{op} bucket {b.index}", b.issued, b.done.wait(),
+                                 b.flat.nbytes)
                 self._average(b)
             problem = self._usage_problem(*check) if check else None
         finally:
@@ -252,11 +250,9 @@ class DataParallel(torch.nn.Module):
             sizes = [p.numel() for p in b.params]
             flat = torch.cat([p.reshape(-1) for p in b.params])  # rank 0: the source
             out = torch.empty_like(flat)
-            t0 = time.perf_counter()
-            dist.scatter(out, [flat] * n if self.rank == 0 else None,
-                         group=self.group, group_src=0)
-            self._spans.append(Span("comm", f"scatter bucket {b.index}", t0,
-                                    time.perf_counter(), n * flat.nbytes))
+            with self._spans.timed(f"scatter bucket {b.index}", n * flat.nbytes):
+                dist.scatter(out, [flat] * n if self.rank == 0 else None,
+                             group=self.group, group_src=0)
             if self.rank != 0:
                 for p, v in zip(b.params, out.split(sizes)):
                     p.copy_(v.view(p.shape))
@@ -288,16 +284,15 @@ class DataParallel(torch.nn.Module):
         if not self._backward.enter():  # inside ours
             return
         if not (self._pending or self._accumulated):  # a new step: new spans
-            self._spans = []
+            self._spans.clear()
         if self._sync:
             self._pending = True
         else:
             self._accumulated = True
-        self._compute_start = time.perf_counter()
+        self._spans.start("backward")
 
     def _backward_ended(self) -> None:
-        self._spans.append(Span("compute", "backward", self._compute_start,
-                                time.perf_counter()))
+        self._spans.stop()
 
     def _grad_ready(self, b: Bucket, index: int) -> None:
         self._backward_started()
@@ -369,8 +364,7 @@ class DataParallel(torch.nn.Module):
         masks = [torch.empty_like(mine) for _ in range(self.world_size)]
         for t in (mine, *masks):
             count_as(t, "Temp")
-        led = recording("traffic")
-        with led.phase(self.CHECK_PHASE) if led is not None else nullcontext():
+        with phase(self.CHECK_PHASE):
             work = dist.all_gather(masks, mine, group=self.group, async_op=True)
         return work, masks
 

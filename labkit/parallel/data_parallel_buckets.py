@@ -4,7 +4,6 @@ flight; and the bitmask of the parameters a rank used (pack_bits)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ class Bucket:
     flat: torch.Tensor | None = None  # what was sent (the grad itself if alone)
     gathered: list | None = None  # the server's receive buffers (parameter_server)
     work: object = None  # the async collective
-    done: object = None  # future of time.perf_counter() at completion
+    done: object = None  # future of when it completed (labkit.probe.completed_at)
     issued: float = 0.0
 
 
@@ -59,13 +58,6 @@ def pack_bits(flags: bytes | bytearray) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor, n: int) -> list[bool]:
     """The first n flags of pack_bits's result."""
     return ((packed.unsqueeze(1) & _BITS) != 0).reshape(-1)[:n].tolist()
-
-
-def completed_at(fut) -> float:
-    """A collective's future -> when it completed (time.perf_counter()); chained
-    with .then() by DataParallel's buckets and FSDP's units alike."""
-    fut.value()  # re-raises a failed collective's error
-    return time.perf_counter()
 
 
 def make_buckets(named, cap: float | None,

@@ -57,7 +57,6 @@ start and end of a backward: fsdp_recompute.py.
 
 from __future__ import annotations
 
-import time
 import warnings
 import weakref
 
@@ -67,9 +66,9 @@ from torch.utils._pytree import tree_leaves
 
 from labkit.parallel import fsdp_hooks as H
 from labkit.parallel import guards
-from labkit.ledger import Span, in_backward
 from labkit.parallel.fsdp_accumulation import GradientAccumulation
 from labkit.parallel.fsdp_recompute import RecomputeAware
+from labkit.probe import Span, Spans, in_backward
 
 
 def has_own_parameters(m: torch.nn.Module) -> bool:
@@ -137,14 +136,12 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
             [id(p.shard) for u in self.sharded_units for p in u.params]
             + [id(p) for p in self._replicated])
         self._order: list[H.Unit] = []  # forward order, from the first forward
-        self._spans: list[Span] = []
+        self._spans = Spans()  # this step's, for `events`; and the compute clock
         self._reductions: list[H.Reduction] = []
         self._stack: list[H.Unit] = []  # units whose forward is running
         self._pending = False  # backward ran; finish not yet called
         self._backward = guards.Backward(self, "_backward_ended")
         self._start_holding()  # set_requires_gradient_sync: fsdp_accumulation
-        self._clock: float | None = None  # start of the compute now running
-        self._label = ""
         ref = weakref.ref(self)  # hooks must not keep this wrapper alive
         handles = []
         for u in self.sharded_units:
@@ -173,16 +170,15 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
 
     def forward(self, *args, **kwargs):
         if not self._pending:  # a new step: forget the last one's spans
-            self._spans = []
+            self._spans.clear()
         if not in_backward():  # no backward of ours runs
             self._backward.reset()
         self._stack = []
         for u in self.sharded_units:
             u.ran = False
-        self._clock, self._label = time.perf_counter(), "(outside units)"
+        self._spans.start("(outside units)")
         out = self.module(*args, **kwargs)
-        self._tick()
-        self._clock = None  # the loss, outside: not ours to time
+        self._spans.stop()  # the loss, outside: not ours to time
         for u in self.sharded_units:  # prefetched but never run (a skipped branch)
             H.wait_gather(u, self._spans)
             if u.state == "full":
@@ -213,11 +209,9 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
         self._fold()
         for p in self._replicated:
             if p.requires_grad and p.grad is not None:  # None on every rank: skip
-                t0 = time.perf_counter()
-                dist.all_reduce(p.grad, group=self.group)
+                with self._spans.timed("all_reduce (replicated)", p.grad.nbytes):
+                    dist.all_reduce(p.grad, group=self.group)
                 p.grad.div_(self.world_size)
-                self._spans.append(Span("comm", "all_reduce (replicated)", t0,
-                                        time.perf_counter(), p.grad.nbytes))
         self._pending = False
         self._backward.reset()
 
@@ -253,18 +247,6 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
         """A hook that calls `method` of this wrapper while it lives."""
         return _call(weakref.ref(self), method, u)
 
-    def _tick(self, label: str | None = None) -> None:
-        """Close the compute span running since the last hook."""
-        now = time.perf_counter()
-        if self._clock is not None and now > self._clock:
-            self._spans.append(Span("compute", self._label, self._clock, now))
-        if label is not None:
-            self._label = label
-
-    def _restart_clock(self) -> None:
-        if self._clock is not None:
-            self._clock = time.perf_counter()
-
     def _gather(self, u: H.Unit) -> None:
         """Gather `u` (or wait for its prefetch) and put the whole weights into
         its module, where forward and a recompute read them."""
@@ -295,24 +277,24 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
         if u.began and u.state == "full":  # a second output of the same unit
             return None
         first, u.began = not u.began, True
-        self._tick(f"backward {u.name}")
+        self._spans.lap(f"backward {u.name}")
         self._fold()  # the last unit's reduce-scatter: its buffers go before this
         self._gather(u)  # unit's gradients arrive (a lower peak)
         if first:
             self._prefetch(v for v in self._order[::-1]
                            if not v.began and not v.reduced)
-        self._restart_clock()
+        self._spans.resume()
         return None
 
     def _post_backward(self, u: H.Unit) -> None:
         """The gradients of `u`'s inputs are computed: its backward is over. Send
         the gradients it got (a parameter that got none: not sent), free it."""
-        self._tick()
+        self._spans.lap()
         self._reduce(u)
         if u.state != "free":
             H.wait_gather(u, self._spans)
             self._release(u)
-        self._restart_clock()
+        self._spans.resume()
 
     def _fold(self) -> None:
         for r in self._reductions:

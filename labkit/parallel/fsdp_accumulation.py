@@ -16,15 +16,15 @@ import contextlib
 
 import torch
 
-from labkit.ledger import count_as
 from labkit.parallel import fsdp_hooks as H
+from labkit.probe import count_as
 
 
 class GradientAccumulation:
     """FullyShardedDataParallel's gradient side, a mixin: `_sync` (each backward
     reduce-scatters) and `_held` (whole fp32 gradients, by parameter). Uses the
     wrapper's `sharded_units`, `group`, `world_size`, `_reductions`, `_fold`,
-    `_release` and clock (`_tick`, `_restart_clock`)."""
+    `_release` and compute clock (`_spans`)."""
 
     def _start_holding(self) -> None:
         self._sync = True  # reduce-scatter in each backward
@@ -49,7 +49,7 @@ class GradientAccumulation:
     def _grad_ready(self, u: H.Unit, leaf) -> None:
         """A gradient of `u` is in (post-accumulate-grad): with sync off, hold it;
         once the unit has every one, send them."""
-        self._tick()
+        self._spans.lap()
         u.got.add(id(leaf))
         if not self._sync:  # hold it, whole, in fp32: sent in a later backward
             p = next(p for p in u.trainable if p.leaf is leaf)
@@ -64,7 +64,7 @@ class GradientAccumulation:
             self._reduce(u)
             if len(u.trainable) == len(u.params):  # no frozen one still needed
                 self._release(u)  # before the reduce-scatter allocates: a lower
-        self._restart_clock()  # peak
+        self._spans.resume()  # peak
 
     @torch.no_grad()
     def _reduce(self, u: H.Unit, force: bool = False) -> None:

@@ -32,9 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from labkit.ledger import Span, count_as
-from labkit.parallel.data_parallel_buckets import completed_at
 from labkit.parallel.reduce_scatter import send_chunks, sum_chunks
+from labkit.probe import Spans, completed_at, count_as
 
 
 def assign(module: torch.nn.Module, wrap, root: bool = True):
@@ -160,7 +159,7 @@ def issue_gather(u: Unit, group) -> None:
     u.state = "gathering"
 
 
-def wait_gather(u: Unit, spans: list) -> None:
+def wait_gather(u: Unit, spans: Spans) -> None:
     """Wait for `u`'s all-gather; copy each parameter into its `full` and free
     the flat buffer."""
     if u.state != "gathering":
@@ -168,8 +167,7 @@ def wait_gather(u: Unit, spans: list) -> None:
     for w in u.works:
         w.wait()
     nbytes = sum(flat.nbytes for _, flat in u.flats)
-    spans.append(Span("comm", f"all_gather {u.name}", u.issued, u.done.wait(),
-                      nbytes))
+    spans.comm(f"all_gather {u.name}", u.issued, u.done.wait(), nbytes)
     for ps, flat in u.flats:
         for p in ps:  # a parameter while it is whole: tagged before it grows, so
             count_as(p.full, "Parameter")  # its bytes are never seen as another
@@ -222,12 +220,11 @@ def launch_reduce(params: list, group, n: int, name: str) -> list:
 
 
 @torch.no_grad()
-def fold(r: Reduction, n: int, spans: list) -> None:
+def fold(r: Reduction, n: int, spans: Spans) -> None:
     """Wait; average the N pieces received, in fp32, into this rank's shard.grad
     of each parameter sent."""
     r.work.wait()
-    spans.append(Span("comm", f"reduce_scatter {r.name}", r.issued, r.done.wait(),
-                      r.send.nbytes))
+    spans.comm(f"reduce_scatter {r.name}", r.issued, r.done.wait(), r.send.nbytes)
     summed = sum_chunks(r.got, n, average=True, dtype=torch.float32)
     for p, mine in zip(r.params, summed.split([p.s for p in r.params])):
         shard = p.shard

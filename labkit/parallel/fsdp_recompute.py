@@ -18,25 +18,23 @@ one's backward is over.
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch.utils._pytree import tree_leaves
 
-from labkit.ledger import in_backward
 from labkit.parallel import fsdp_hooks as H
+from labkit.probe import in_backward
 
 
 class RecomputeAware:
     """FullyShardedDataParallel's unit forward hooks (a forward or a recompute)
     and the start and end of a backward (its graph tasks), a mixin. Uses the
-    wrapper's clock (`_tick`, `_restart_clock`), `_gather`, `_release`,
+    wrapper's compute clock (`_spans`), `_gather`, `_release`,
     `_prefetch`, `_reduce`, `_hook`, and its `_order`, `_stack`, `sharded_units`,
     `_spans` and `_backward`."""
 
     def _pre_forward(self, u: H.Unit, module, args, kwargs):
         recompute = in_backward()  # activation checkpointing
-        self._tick(f"{'recompute' if recompute else 'forward'} {u.name}")
+        self._spans.lap(f"{'recompute' if recompute else 'forward'} {u.name}")
         if u not in self._order:
             self._order.append(u)
         self._gather(u)
@@ -47,7 +45,7 @@ class RecomputeAware:
             u.ran = True
             self._stack.append(u)
             self._prefetch(v for v in later if not v.ran)
-        self._restart_clock()
+        self._spans.resume()
         if self.compute_dtype is not None:
             args, kwargs = (H.cast_floating(args, self.compute_dtype),
                             H.cast_floating(kwargs, self.compute_dtype))
@@ -57,21 +55,21 @@ class RecomputeAware:
         return args, kwargs
 
     def _post_forward(self, u: H.Unit, module, args, out):
-        self._tick()
+        self._spans.lap()
         if in_backward():
             # a recompute: its backward follows, so it stays gathered until that
             # is over (a non-reentrant recompute that stops early never gets here)
-            self._label = "backward"
+            self._spans.rename("backward")
         else:
             self._stack.remove(u)
             self._release(u)
-            self._label = f"forward {self._stack[-1].name}" if self._stack else \
-                "(outside units)"
+            self._spans.rename(f"forward {self._stack[-1].name}" if self._stack
+                               else "(outside units)")
         if torch.is_grad_enabled():  # its output's gradient: its backward is next
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._hook("_pre_backward", u))
-        self._restart_clock()
+        self._spans.resume()
 
     def _backward_started(self, _=None, grad=None) -> None:
         """Called by every backward hook; acts once per backward. A reentrant
@@ -81,12 +79,11 @@ class RecomputeAware:
         self._pending = True
         for u in self.sharded_units:
             u.began, u.got, u.reduced = False, set(), False
-        self._clock, self._label = time.perf_counter(), "backward"
+        self._spans.start("backward")
 
     def _backward_ended(self) -> None:
         """The outermost graph task ended: send and free what is still due."""
-        self._tick()
-        self._clock = None
+        self._spans.stop()
         for u in self.sharded_units:  # a unit whose backward never said it was over
             if any(p.leaf.grad is not None for p in u.trainable):
                 self._reduce(u)

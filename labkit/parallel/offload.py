@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from labkit.ledger import on_host
+from labkit.probe import on_host
 
 HOST = torch.device("cpu")
 

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from labkit.arguments import whole
-from labkit.ledger import Span, count_as, union
 from labkit.parallel.pipeline_schedules import stage_order
+from labkit.probe import Span, Spans, count_as, union
 
 RUNTIME_SCHEDULES = ("gpipe", "1f1b")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
@@ -92,7 +92,7 @@ class PipelineParallel(torch.nn.Module):
         peer = lambda s: dist.get_global_rank(self.group, s)
         self.prev = peer(self.stage - 1) if self.stage > 0 else None
         self.next = peer(self.stage + 1) if self.stage < self.p - 1 else None
-        self._spans: list[Span] = []
+        self._spans = Spans()  # the last step's, for `events`
         self._sends: list = []  # (work, tensor, name, start) of sends in flight
         self._shapes: dict = {}  # micro-batch shape of x -> (input shape, dtype)
         self.peak_in_flight = 0  # most micro-batches held at once, last step
@@ -143,7 +143,8 @@ class PipelineParallel(torch.nn.Module):
         first_time = key not in self._shapes
         if self.is_first:
             self._shapes[key] = key
-        self._spans, self._sends = [], []
+        self._sends = []
+        self._spans.clear()
         self._inputs, self._outputs, self._losses = {}, {}, {}
         losses, self.peak_in_flight = [], 0
         try:
@@ -166,13 +167,12 @@ class PipelineParallel(torch.nn.Module):
             shape, dtype = self._shapes[key]
             inp = self._recv(shape, dtype, self.prev, f"recv activation {i}")
             inp.requires_grad_(inp.is_floating_point())
-        t0 = time.perf_counter()
-        out = self.module(inp)
-        if self.is_last:
-            loss = self.loss_fn(out, ts[i])
-            losses.append(loss.detach())
-            self._losses[i] = loss / self.microbatches
-        self._spans.append(Span("compute", f"forward {i}", t0, time.perf_counter()))
+        with self._spans.timed(f"forward {i}", kind="compute"):
+            out = self.module(inp)
+            if self.is_last:
+                loss = self.loss_fn(out, ts[i])
+                losses.append(loss.detach())
+                self._losses[i] = loss / self.microbatches
         self._inputs[i], self._outputs[i] = inp, out
         self.peak_in_flight = max(self.peak_in_flight, len(self._outputs))
         if not self.is_last:
@@ -184,14 +184,13 @@ class PipelineParallel(torch.nn.Module):
         inp, out = self._inputs.pop(i), self._outputs.pop(i)
         if self.is_last:
             self._finish_sends()
-            t0 = time.perf_counter()
-            self._losses.pop(i).backward()
+            with self._spans.timed(f"backward {i}", kind="compute"):
+                self._losses.pop(i).backward()
         else:
             grad = self._recv(out.shape, out.dtype, self.next, f"recv gradient {i}")
             count_as(grad, "Temp")  # a gradient passing through, not an activation
-            t0 = time.perf_counter()
-            torch.autograd.backward(out, grad)
-        self._spans.append(Span("compute", f"backward {i}", t0, time.perf_counter()))
+            with self._spans.timed(f"backward {i}", kind="compute"):
+                torch.autograd.backward(out, grad)
         del out
         if not self.is_first:  # (an input the stage ignores has no gradient)
             g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
@@ -212,18 +211,16 @@ class PipelineParallel(torch.nn.Module):
     def _finish_sends(self) -> None:
         for work, t, name, t0 in self._sends:
             work.wait()
-            self._spans.append(Span("comm", name, t0, time.perf_counter(),
-                                    t.numel() * t.element_size()))
+            self._spans.comm(name, t0, time.perf_counter(),
+                             t.numel() * t.element_size())
         self._sends = []
 
     def _recv(self, shape, dtype, peer: int, name: str) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype)
-        t0 = time.perf_counter()
-        work = dist.irecv(buf, peer, group=self.group)
-        self._finish_sends()
-        work.wait()
-        self._spans.append(Span("comm", name, t0, time.perf_counter(),
-                                buf.numel() * buf.element_size()))
+        with self._spans.timed(name, buf.numel() * buf.element_size()):
+            work = dist.irecv(buf, peer, group=self.group)
+            self._finish_sends()
+            work.wait()
         return buf
 
     def _send_header(self, out: torch.Tensor) -> None:

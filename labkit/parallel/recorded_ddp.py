@@ -20,7 +20,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from labkit.ledger import Span
+from labkit.probe import Span
 
 __all__ = ["RecordedDDP", "record_backward", "recording_hook"]
 

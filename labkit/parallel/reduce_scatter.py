@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from labkit.ledger import count_as
+from labkit.probe import count_as
 
 
 def send_chunks(send: torch.Tensor, group=None, *, splits: list[int] | None = None,

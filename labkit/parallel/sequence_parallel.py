@@ -41,15 +41,12 @@ with dropout off.
 
 from __future__ import annotations
 
-import gc
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.ledger import memory
 from labkit.parallel.models import TransformerLayer, check_recompute, split_heads
 from labkit.parallel.tensor_parallel import ParallelMLP, ParallelSelfAttention
 from labkit.parallel.tensor_parallel_mappings import (
@@ -152,35 +149,3 @@ def sync_sequence_parallel_grads(module: nn.Module, group=None) -> int:
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
     return flat.numel()
-
-
-
-def forward_activations(layer: nn.Module, make_input) -> int:
-    """Bytes one forward of `layer` leaves for its backward, by the memory ledger:
-    its Activation after forward, counting the input (`make_input()` is called
-    inside: the previous layer's output, which the first LayerNorm keeps) and not
-    the output (the next layer's input). Runs the backward, to free them.
-
-    gloo's worker thread lets go of a collective's buffers a moment after the call
-    returns (measured: 2 x [s, b, h] still held right after about one forward in
-    seven, gone 20 ms later), so the count is read once it has stayed the same
-    for 100 ms."""
-    with memory(layer) as m:
-        x = make_input()
-        out = layer(x)
-        held = _settled(m) - out.untyped_storage().nbytes()
-        out.backward(torch.ones_like(out))
-    return held
-
-
-def _settled(m, quiet: float = 0.1, limit: float = 5.0) -> int:
-    """The ledger's Activation once unchanged for `quiet` seconds (at most
-    `limit` seconds of waiting)."""
-    gc.collect()
-    last, since, start = m.current["Activation"], time.monotonic(), time.monotonic()
-    while time.monotonic() - since < quiet and time.monotonic() - start < limit:
-        time.sleep(0.01)
-        now = m.current["Activation"]
-        if now != last:
-            last, since = now, time.monotonic()
-    return last

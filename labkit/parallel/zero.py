@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from labkit.ledger import count_as
+from labkit.probe import count_as
 from labkit.parallel import zero_state
 from labkit.parallel.zero_buckets import (GATHERS, BucketHooks, gather_slices,
                                          make_buckets, reduce_scatter)
