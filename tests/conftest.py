@@ -6,6 +6,7 @@ import textwrap
 import time
 from collections import Counter
 
+import psutil
 import pytest
 
 
@@ -16,15 +17,16 @@ def alive(pid: int) -> bool:
     (and hold its files open); use `reaped` below when that matters.
     """
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
+        return psutil.Process(pid).status() not in _DEAD
+    except psutil.NoSuchProcess:
         return False
-    return state not in ("Z", "X")
+
+
+_DEAD = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
 def reaped(pid: int) -> bool:
-    return not os.path.exists(f"/proc/{pid}")
+    return not psutil.pid_exists(pid)
 
 
 def wait_gone(pids, seconds: float, *, until_reaped: bool = False) -> list[int]:
@@ -45,28 +47,14 @@ def cluster():
         yield c
 
 
-def children_of(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-                out.append(int(d))
-    return out
-
-
 def descendants_of(pid: int) -> list[int]:
-    """Children, their children, ... (ranks may be forked by a successor)."""
-    out, todo = [], [pid]
-    while todo:
-        kids = children_of(todo.pop())
-        out += kids
-        todo += kids
-    return out
+    """Children, their children, ... (ranks may be forked by a successor); not
+    zombies."""
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    return [k.pid for k in kids if alive(k.pid)]
 
 
 # ------------------------------------------------------- the fast inner loop

@@ -73,8 +73,14 @@ def test_ranks_magic_errors_show_the_cell_line(shell):
         shell.run_cell_magic("ranks", "-n 2 -t 10",
                              "y = 1\nraise OSError('cell says no')\n")
     assert "raise OSError('cell says no')" in ei.value.failures[0]
-    with pytest.raises(ValueError, match="usage"):
+    from IPython.core.error import UsageError
+
+    # IPython shows a UsageError as its one line, without a traceback
+    with pytest.raises(UsageError, match=r"^usage: %%ranks \[-n WORLD_SIZE\] .*, "
+                                         r"got '--bogus' \(unrecognized arguments"):
         shell.run_cell_magic("ranks", "--bogus", "pass\n")
+    with pytest.raises(UsageError, match="invalid int value: 'four'"):
+        shell.run_cell_magic("ranks", "-n four", "pass\n")
 
 
 def test_ranks_magic_on_a_named_cluster(shell, capsys):

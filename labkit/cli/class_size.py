@@ -1,12 +1,16 @@
 """The class size `python -m labkit doctor` prints: how many students a machine
 holds, from the per-student figures `python -m labkit footprint` measured and
-saved here (`saved_path()`), else the ones recorded with labkit (RECORDED)."""
+saved here (`saved_path()`), else the ones recorded with labkit (RECORDED).
+
+Imports psutil (this machine's memory) and the standard library."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+
+import psutil
 
 MIB = 2**20
 
@@ -15,11 +19,11 @@ def mib(n: int) -> str:
     return f"{n / MIB:,.0f}"
 
 
-def meminfo(text: str | None = None) -> dict[str, int]:
-    """/proc/meminfo in bytes."""
-    text = Path("/proc/meminfo").read_text() if text is None else text
-    return {ln.split(":")[0]: int(ln.split()[1]) * 1024
-            for ln in text.splitlines() if ln.endswith(" kB")}
+def meminfo() -> dict[str, int]:
+    """This machine's memory in bytes: {"MemTotal", "MemAvailable"} (psutil's
+    total and available: Linux's /proc/meminfo figures, and macOS's)."""
+    vm = psutil.virtual_memory()
+    return {"MemTotal": vm.total, "MemAvailable": vm.available}
 
 
 def class_size(mem_bytes: int, cores: int, fig: dict, world_size: int = 4) -> dict:

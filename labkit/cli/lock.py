@@ -3,15 +3,19 @@
 `python -m labkit.cli.lock write requirements.lock` pins what is installed in
 the running environment; `... diff requirements.lock` says what the running
 environment has that differs from the lock (the newest environment prints it, so
-CI's log shows which releases came out since the lock was written). Used by
-`make lock` and `make newest`."""
+CI's log shows which releases came out since the lock was written).
+
+Imports packaging and the standard library: packaging is a dev dependency, since
+only `make lock`, `make newest` and the tests run this."""
 
 from __future__ import annotations
 
 import importlib.metadata as md
-import re
 import sys
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 HEADER = """\
 # Every package of the environment `make test` last passed in, at its exact
@@ -24,10 +28,6 @@ HEADER = """\
 SKIP = {"labkit", "setuptools", "wheel"}
 
 
-def _norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def installed() -> dict[str, str]:
     """Normalised name -> version of every distribution in this environment (the
     one an import finds, where sys.path holds two), a local version label
@@ -35,9 +35,10 @@ def installed() -> dict[str, str]:
     out = {}
     for dist in md.distributions():  # in sys.path's order: the first is imported
         name = dist.metadata["Name"]
-        if name and _norm(name) not in SKIP and _norm(name) not in out:
+        key = canonicalize_name(name) if name else None
+        if key and key not in SKIP and key not in out:
             # (setuptools, once imported, appends its _vendor/ copies to sys.path)
-            out[_norm(name)] = dist.version.split("+", 1)[0]
+            out[key] = dist.version.split("+", 1)[0]
     return out
 
 
@@ -48,10 +49,14 @@ def read(path: str | Path) -> dict[str, str]:
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        m = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([^\s;]+)", line)
-        if not m:
+        try:
+            req = Requirement(line)
+            (pin,) = req.specifier  # InvalidRequirement is a ValueError too
+        except ValueError:
+            pin = None
+        if pin is None or pin.operator != "==" or req.extras or req.marker or req.url:
             raise ValueError(f"{path}: not a pin (name==version): {line!r}")
-        pins[_norm(m[1])] = m[2]
+        pins[canonicalize_name(req.name)] = pin.version
     return pins
 
 

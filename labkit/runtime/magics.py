@@ -1,24 +1,17 @@
-"""The %%ranks cell magic: run a cell's body on every rank (sugar over `run`).
+"""The %%ranks cell magic: a cell's body run on every rank (sugar over `run`).
 
-    %load_ext labkit
-    %%ranks -n 4
-    x = torch.ones(2) * rank
-    dist.all_reduce(x)
-    print(x)
+Imports labkit.runtime.cluster; IPython only inside functions, since every rank
+imports this module to unpickle a CellOnRanks.
 
-`rank`, `world_size`, `torch` and `dist` are bound. `-c NAME` runs on the cluster
-held in the notebook variable NAME instead of the shared one of size -n. Each rank
-keeps one namespace
-for its %%ranks cells, so a later cell sees what an earlier one defined (until the
-ranks restart after a failure).
+`%load_ext labkit`, then `%%ranks -n 4` (the shared cluster) or `%%ranks -c NAME`
+(the labkit.Cluster in variable NAME) atop a cell: `rank`, `world_size`, `torch`
+and `dist` are bound, and each rank keeps one namespace for its %%ranks cells.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import linecache
-import shlex
 
 from labkit.runtime.cluster import Cluster, default_cluster
 
@@ -43,23 +36,17 @@ class CellOnRanks:
         exec(compile(self.source, self.filename, "exec"), NAMESPACE)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="%%ranks", add_help=False)
-    p.add_argument("-n", "--world-size", type=int, default=4)
-    p.add_argument("-t", "--timeout", type=float, default=None)
-    p.add_argument("-c", "--cluster", default=None)
-    return p
-
-
 def ranks_magic(line: str, cell: str):
-    """%%ranks [-n WORLD_SIZE] [-t TIMEOUT]: run this cell on every rank."""
+    """Run this cell on every rank, with `rank`, `world_size`, `torch` and `dist`."""
+    from IPython.core.error import UsageError
+    from IPython.core.magic_arguments import parse_argstring
+
+    _declare_options()
     try:
-        opts = _parser().parse_args(shlex.split(line))
-    except SystemExit:
-        raise ValueError(
-            "usage: %%ranks [-n WORLD_SIZE | -c CLUSTER_VARIABLE] [-t TIMEOUT_SECONDS]"
-            f", got {line!r}"
-        ) from None
+        opts = parse_argstring(ranks_magic, line)
+    except UsageError as e:  # one line in a notebook, no traceback
+        usage = ranks_magic.parser.format_usage().removeprefix("::").strip()
+        raise UsageError(f"usage: {usage}, got {line!r} ({e})") from None
     filename = f"<%%ranks cell {next(_COUNTER)}>"
     # so tracebacks from the ranks show this cell's lines
     linecache.cache[filename] = (len(cell), None, cell.splitlines(True), filename)
@@ -79,5 +66,25 @@ def _named_cluster(name: str) -> Cluster:
     return obj
 
 
+def _declare_options() -> None:
+    """ranks_magic's options, once, as IPython's @magic_arguments and @argument
+    declare them (so `%%ranks?` shows them): applied here, on first use."""
+    from IPython.core.magic_arguments import argument, magic_arguments
+
+    if hasattr(ranks_magic, "parser"):
+        return
+    for declare in (  # bottom up, as decorators apply
+        argument("-c", "--cluster", metavar="CLUSTER_VARIABLE",
+                 help="run on the labkit.Cluster in this notebook variable"),
+        argument("-t", "--timeout", type=float, metavar="TIMEOUT_SECONDS",
+                 help="seconds the cell may run (default: the cluster's timeout)"),
+        argument("-n", "--world-size", type=int, default=4,
+                 help="ranks of the shared cluster, without -c (default 4)"),
+        magic_arguments(name="%ranks"),  # IPython's usage line adds one more %
+    ):
+        declare(ranks_magic)
+
+
 def register(ipython) -> None:
+    _declare_options()
     ipython.register_magic_function(ranks_magic, "cell", "ranks")
