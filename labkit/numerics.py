@@ -1,27 +1,12 @@
 """How close two floating-point runs of the same computation must be, measured in
 the run itself, never read off one machine.
 
-Floating-point addition is not associative: (a + b) + c and a + (b + c) round
-differently. Which order a sum takes depends on the kernels that run (MKL picks
-them by CPU, PyTorch's own by `ATEN_CPU_CAPABILITY`), on how a batch is cut and
-on the order a collective adds ranks. So a distributed run and one process agree
-to rounding, never bit for bit, and "rounding" is a different size on every
-machine. What stays the same everywhere is the comparison: a run that does the
-same arithmetic in another order is as far from the exact answer as one process
-is. `Oracle` holds that exact answer (the same computation in float64) and the
-errors of one-process runs that differ from it only in rounding (the whole batch
-at once, or summed in parts), and allows a distributed run `FACTOR` times the
-largest of them. A real mistake (a missing average, a stale or lost gradient, a
-wrong shard) is many orders of magnitude larger.
+Sits under every layer, like `units`: imports torch and the standard library only.
 
-Errors are norm-wise over everything compared together, ||got - exact|| /
-||exact||, in float64. Per-tensor errors are unstable under Adam: its step
-eta * m / (sqrt(v) + eps) turns a gradient that is rounding noise (true value 0,
-computed 1e-11) into a full-size step whose sign is a coin toss, so one tensor's
-relative error can be anything; over the whole model those few elements weigh
-what they are.
-
-Sits under every layer, like `units`: it needs torch's tensors, nothing else.
+`Oracle` holds the exact answer (the computation in float64) and the errors of
+one-process runs that differ from it only in the order of their sums, and allows
+a distributed run `FACTOR` times the largest of them. Errors are norm-wise over
+everything compared together (`rel_err` says why).
 """
 
 from __future__ import annotations
@@ -87,7 +72,9 @@ def rel_err(got, want) -> float:
     """||got - want|| / ||want||, over every element together, in float64.
 
     got, want: tensors, or dicts, lists or tuples of them with the same keys and
-    shapes (two state dicts, two lists of gradients)."""
+    shapes (two state dicts, two lists of gradients). Never per tensor: under
+    Adam a gradient that is rounding noise (true value 0) becomes a full-size step
+    of random sign, so one tensor's relative error can be anything."""
     _same_shape(got, want)
     g, w = flat64(got), flat64(want)
     norm = w.norm().item()

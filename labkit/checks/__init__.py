@@ -1,18 +1,12 @@
-"""Layer 5, exercise checks that explain what is wrong.
+"""Layer 5, exercise checks that explain what is wrong: one module per chapter.
 
-A check runs the student's function on real ranks, compares it with a reference,
-and either prints a short success line or raises `ExerciseError` naming the rank,
-the tensor (or chunk) and the element that is wrong. A function that still raises
-NotImplementedError is "not written yet": the check says so and returns without
-failing the notebook (under `graded()`, an nbgrader assignment's, it fails); an
-exception, a deadlock (found after common.SHORT_TIMEOUT s; every check that runs
-answers on the ranks takes `timeout=` seconds instead, e.g. for a slow machine)
-or a result of the wrong type, shape or dtype is one ExerciseError naming the rank
-and the student's line. A check verifies the work, not only the answer
-(verify.py): inputs drawn afresh each run, labkit's own implementation refused,
-messages and bytes held to the pattern asked for. grading.py keeps a graded
-notebook graded and its checks as labkit's files define them. May import every
-layer below; one module per chapter that has checks.
+May import every layer below it (viz, parallel, comm, ledger, theory, runtime, and
+numerics, conventions, units); of labkit, only labkit.cli imports it.
+
+A check runs the student's function against a reference and either prints one
+success line or raises one `ExerciseError` naming the rank, the tensor and the
+element; a stub still raising NotImplementedError is "not written yet" and does
+not fail the notebook, except under `graded()`.
 """
 
 from labkit.checks.collectives import (

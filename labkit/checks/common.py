@@ -1,18 +1,12 @@
 """What every exercise check shares: running a student's answer (on the ranks or
 here), the error it raises, "not written yet", and comparing numbers and tensors.
 
-Whatever goes wrong comes back as one `ExerciseError` in plain words, never as a
-traceback per rank:
-- an exception in the student's code: which ranks, the exception, and the
-  student's own line;
-- a deadlock, found after a short timeout (SHORT_TIMEOUT seconds, not the
-  cluster's 30): what every rank waits for, e.g. "deadlock: every rank is
-  waiting in recv from its left neighbour";
-- a result of the wrong type, shape or dtype, or a wrong element: where, got and
-  expected (`compare`).
-A stub that still raises NotImplementedError (or a None left as the answer) is
-"not written yet": the check says so and returns without failing the notebook;
-under `graded()` (grading.py) it fails instead. NaN and inf are wrong answers.
+Imports the other check modules and labkit.runtime; torch, labkit.ledger,
+labkit.numerics and labkit.units only inside functions.
+
+Whatever goes wrong comes back as one `ExerciseError` in plain words (which ranks,
+the student's line, got and expected), never a traceback per rank; NaN and inf
+are always wrong answers.
 """
 
 from __future__ import annotations

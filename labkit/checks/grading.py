@@ -1,20 +1,11 @@
-"""Grading: how a graded notebook runs its checks.
+"""Grading: how a graded notebook runs its checks (`graded()`, `intact()`).
 
-- `graded()`, an nbgrader assignment's first code cell: from then on an exercise
-  left as its stub (or its answer as None) fails its check, where self-study says
-  "not written yet" and goes on. Once on, it stays on in that kernel
-  (`graded(False)` raises), and nbgrader's own runs (autograde and validate set
-  NBGRADER_EXECUTION) are graded whatever a cell did.
-- `intact()`, the first line of every locked test cell of `make nbgrader`'s
-  assignments: each module of labkit's checks and closed forms, and the
-  Cluster class the checks run answers through, as it was when labkit.checks
-  was imported. A name an answer cell replaced (a check, a
-  reference, a closed form, a function's code or defaults, a constant's items), or
-  grading switched off, is put back and the test fails, naming it.
+Imports nothing of labkit at import time (labkit.checks.common and the guarded
+modules only when called).
 
-Answer cells run in the interpreter the checks run in: this guards labkit's own
-names, not Python's import machinery (docs/teaching.md). Imports nothing of
-labkit at import time.
+Answer cells run in the interpreter the checks run in: `intact()` guards labkit's
+own names (checks, closed forms, the Cluster class), not Python's import
+machinery (docs/teaching.md).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
-"""Chapter 10's checks: the 1F1B order of passes on one stage, how many
-micro-batches' activations a stage holds at its peak, and the fewest
-micro-batches that keep the bubble under a limit, with what they cost in
-activations.
+"""Chapter 10's checks: the 1F1B order of one stage, the micro-batches a stage
+holds at its peak, and the fewest micro-batches that keep the bubble under a limit.
 
-Each calls the student's function on cases drawn fresh each run (p, m, stage)
-against references written in this module (never labkit's schedules or closed
-forms, which are refused while the answer runs), and names the usual mistakes.
-The first two call it on the ranks, the drawn cases on rank 0, then every rank
-for its own stage with a micro-batch count drawn this run (common.run_answer: a
-stub is "not written yet", an exception is told by rank and the student's line,
-a hang in seconds by where each rank waits): a right order drives a real
-pipeline step, whose gradients must be one process's; a prediction must be what
-each stage's real step held.
+Imports the other check modules; torch and labkit.parallel inside the checks.
+
+References are written here, never labkit's schedules or closed forms (those are
+refused while the answer runs); a right 1F1B order then drives a real pipeline
+step, whose gradients must be one process's.
 """
 
 from __future__ import annotations

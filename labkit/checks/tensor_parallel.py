@@ -1,15 +1,11 @@
 """Chapter 09's checks: a row-parallel layer's forward, f and g, the bytes a GPU
-sends per layer, and the smallest t at which the activations kept whole
-outweigh the split ones.
+sends per layer, and the smallest t at which whole activations outweigh split ones.
 
-The first two run on inputs drawn fresh each run, on the ranks in
-tensor-parallel groups of t (two replicas, each with its own batch, where the
-ranks split evenly), under the traffic ledger: labkit's own tensor parallelism
-and any collective but all-reduce are refused before the values are looked at;
-after them each rank is held to the all-reduces the exercise asks for (how
-many, how many bytes, in which group). The last two are functions, called on
-cases drawn fresh each run and the chapter's, against references computed here
-in exact integer arithmetic.
+Imports the other check modules; torch and labkit.ledger inside the checks.
+
+The first two run on the ranks under the traffic ledger: labkit's own tensor
+parallelism and any collective but all-reduce are refused before the values are
+looked at, then each rank is held to the all-reduces the exercise asks for.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """What a check verifies besides the answer's values: that the answer did the work.
 
-- `fresh_seed()`: a check draws its inputs anew each time it runs (a seed from
-  the operating system's randomness), so values written down from one run fail
-  the next, and computes its reference from them in the same run;
-- `own_calls(...)`: records every call into labkit functions that are the
-  exercise's answer (labkit's own implementation, or the check's reference)
-  while the student's code runs, here or on a rank; `refuse_own` turns one
-  into the error "that is labkit's own ...; write it yourself";
-- `messages(records)`, `require_ring(...)`: what a rank sent and received, from a
-  traffic ledger's records, held to the pattern an exercise asks for (a ring:
-  N-1 messages of one chunk, each to the right neighbour only; no collective).
-May import every layer below the checks.
+Imports labkit.checks.common; torch inside functions.
+
+Inputs come from `fresh_seed()` anew each run (values written down from one run
+fail the next); `own_calls`/`refuse_own` refuse labkit's own implementation, and
+`messages`/`require_ring` hold a rank's traffic to the pattern asked for.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The rank side of a check: run the student's answer so that whatever goes wrong
 can be told in one sentence back in the kernel.
 
-- An exception inside the answer travels back as `AnswerRaised`: its type, its
-  message and the traceback's frames (file, line, function). The kernel, which has
-  the notebook's cell sources, finds the student's line among them.
-- Point-to-point calls are watched: while a rank blocks in `dist.send`,
-  `dist.recv` or a `wait()` on an `isend` / `irecv`, the rank's status says
-  which peer it waits for and on which line, e.g.
-  'recv from rank 3, at File "...", line 6, in my_ring'. The runtime asks for that
-  status when a call runs past its timeout, so a deadlock can be named.
-The patches live only while the answer runs and are undone after it.
+Standard library at import; torch.distributed and labkit.runtime inside functions.
+
+While the answer runs, point-to-point calls are patched to set the rank's status
+(which peer it waits for, on which line), so a deadlock can be named; the patches
+are undone after it.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """`make nbgrader`: every chapter as an nbgrader assignment, for a class that grades.
 
-dist/nbgrader/ is an nbgrader course folder: nbgrader_config.py, and
-source/NN_x/NN_x.ipynb (with the images it shows) for each chapter. Each
-exercise of a chapter (an `exercise` stub, its `solution`, the check cell after
-it; student.py's layout) becomes nbgrader's:
+Imports labkit.cli.student (the exercise layout) and labkit.checks' names.
 
-- one answer cell ("Autograded answer"; a written answer is a "Manually graded
-  answer"): the stub, then the solution between `### BEGIN SOLUTION` and
-  `### END SOLUTION`. The config's stubs are empty, so `nbgrader
-  generate_assignment` releases exactly the stub that `make student` hands out;
-- the check cell as an "Autograded tests" cell, locked, worth the exercise's
-  points: a wrong answer makes labkit's check raise, and nbgrader gives a cell
-  that raised (or wrote to stderr) no points. It starts with
-  labkit.checks.intact() (a check, reference or closed form an answer cell
-  replaced, or grading switched off, fails the test) and imports afresh the
-  checks it calls, and ends with a hidden test (`### BEGIN HIDDEN TESTS`) that
-  runs the check again, on inputs drawn afresh;
-- every other code cell read-only ("locked"): autograde runs the measurements
-  the checks compare against as the lecturer released them, whatever a student
-  changed in them;
-- a first code cell, read-only too, calling labkit.checks.graded(): a check
-  whose exercise is still its stub fails (no points), where the self-study
-  edition says "not written yet" and goes on.
-
-An exercise's points are the exercise cell's metadata "points" (1 where it has
-none). `make student` stays the self-study edition, with no nbgrader metadata.
+Each exercise becomes an answer cell (the stub, then the solution between
+nbgrader's markers) and a locked test cell worth its points (`intact()`, the
+check, and the check again as a hidden test on fresh inputs); every other code
+cell is locked, and a first locked cell calls `graded()`. docs/design.md gives
+the whole layout.
 """
 
 from __future__ import annotations
@@ -131,7 +113,7 @@ def _answer(stub: dict, solution: dict) -> dict:
 
 
 def assignment(nb: dict, name: str) -> dict:
-    """`nb` as an nbgrader source notebook (see the module's docstring).
+    """`nb` as an nbgrader source notebook (the layout: docs/design.md, cli).
     ValueError naming each cell when `nb` breaks the exercise layout."""
     problems = layout_problems(nb, name)
     if problems:

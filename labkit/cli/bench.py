@@ -241,6 +241,9 @@ def progress(msg: str) -> None:
 
 
 def bench_cluster(world_size: int = 4, calls: int = 2000) -> int:
+    """Time the cluster (first start, restarts after a fault, warm no-op calls,
+    all_reduce round trips, printed lines watched and not) against
+    torch.multiprocessing.spawn, print the table; exit_code of its rows."""
     import torch.multiprocessing as mp
 
     import labkit

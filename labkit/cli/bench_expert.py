@@ -1,29 +1,14 @@
 """`python -m labkit bench expert`: one mixture-of-experts layer, forward and
-backward, spread over the ranks by expert parallelism (ExpertParallelMoE: E/ep
-experts a rank, two all-to-alls of uneven splits each way), next to
+backward, under expert parallelism (ExpertParallelMoE), against the one-process
+MoELayer it replaces and a dense MLP of the same active width (h -> k·ffn -> h).
 
-  - the one-process loop it replaces: the same MoELayer (same weights) on one
-    rank, running every expert on every rank's tokens;
-  - a dense layer of the same active width: an MLP h -> k·ffn -> h on each rank's
-    own tokens, data-parallel, so no all-to-all (the k experts' FFNs side by
-    side; the router's E·h weights have no counterpart);
+Imports labkit.cli.bench; labkit, labkit.parallel and torch inside functions.
 
-on the same ranks, in the same run, interleaved round by round so machine noise
-hits all three alike. Each step is one layer's forward and backward (input
-gradients included); the gradient all-reduce of a data-parallel step (the
-router's in ours, the whole MLP's in the dense one) is left out of both: it is
-data parallelism's price, not routing's. Step times are timings; the bytes are
-the traffic ledger's bus bytes of the layer's all-to-alls on each rank, which
-for an all-to-all count exactly what leaves the rank, against
-theory.expert_traffic for the rows that rank's router sent away and received.
-
-What the time ratio against one process can show: the ranks split the routing
-and the experts, so on cores of their own the layer would take about 1/ranks of
-the loop's time plus the all-to-alls. Ranks that share cores (4 ranks on 2
-cores) cannot do better than the loop's cores / all ranks' cores; the bench
-prints that bound beside the ratio. The ratio measures our overhead (the
-exchanges, the permutations) on this machine, not a speed-up one would see on
-a cluster."""
+The three run on the same ranks, interleaved round by round so machine noise hits
+all alike. The time ratio against one process measures our overhead on this
+machine (ranks that share cores cannot beat the bound printed beside it), not a
+speed-up one would see on a cluster.
+"""
 
 from __future__ import annotations
 
@@ -71,7 +56,8 @@ def _tokens(rank: int, s: dict):
 
 def _step(rank: int, world_size: int, name: str, s: dict):
     """One forward and backward of `name` on this rank (the loop: rank 0 only,
-    on every rank's tokens; the others wait)."""
+    on every rank's tokens; the others wait). No gradient all-reduce in any of
+    them: that is data parallelism's price, not routing's."""
     import torch
 
     from labkit.parallel import MLP, ExpertParallelMoE
@@ -106,8 +92,8 @@ def _time_steps(rank, world_size, name: str, steps: int, s: dict) -> float:
 
 def _layer_bytes(rank, world_size, s: dict) -> dict:
     """One forward and backward of ExpertParallelMoE under the traffic ledger:
-    its all-to-alls' bus bytes, and the rows this rank's router sent away and
-    the rows it received (its MoEStats)."""
+    its all-to-alls' bus bytes (for an all-to-all, exactly what leaves the
+    rank), and the rows this rank's router sent away and received (MoEStats)."""
     from labkit import ledger
     from labkit.parallel import ExpertParallelMoE
 

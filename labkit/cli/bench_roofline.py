@@ -87,6 +87,9 @@ def roofline_rows(measured: dict[str, float], cluster) -> list[Row]:
 
 
 def bench_roofline() -> int:
+    """Time the matrix products chapter 13's calculator prices on this CUDA GPU,
+    each against its roofline; exit_code of the rows, or 2 without a CUDA GPU
+    or without roofline constants for it."""
     import torch
 
     from labkit.cli.bench import exit_code, table

@@ -149,6 +149,9 @@ def _time_steps(rank, world_size, name: str, steps: int,
 
 
 def bench_strategies(world_size: int = 4, rounds: int = 5, steps: int = 10) -> int:
+    """Each strategy's Adam step time (median over interleaved rounds of the
+    slowest rank), optimizer state per rank and, where measured, peak memory,
+    for each model; print the table and return exit_code of its rows."""
     import labkit
 
     n = world_size

@@ -1,22 +1,13 @@
-"""Other CPUs' kernels, emulated: the numerics tests and chapters run again with
-MKL's and PyTorch's code paths for another CPU, and the largest measured/allowed
-error of each chapter and test file is printed (`make test-cpus`).
-
-Which BLAS and ATen kernels run depends on the CPU, and with them the rounding
-of every sum. Two switches pick them on any x86 machine: MKL_CBWR (MKL's code
-path: AVX2, AVX512, or COMPATIBLE, its generic one) and
-ATEN_CPU_CAPABILITY (PyTorch's own kernels: avx2, avx512 or default). A corner
-the CPU lacks is skipped and said so (torch would accept avx512 and crash on its
-first AVX-512 instruction).
-
-A corner with nothing new on this CPU is skipped too, and said so: where ATen's
-kernels under it are make test's (the CPU's own: avx512 on an AVX-512 machine)
-and MKL's results on a probe are, bit for bit, those of make test or of a corner
-that already ran (on AMD processors MKL's AVX2 and AVX512 paths agree), running
-it again would only mix two sets of roundings already checked.
+"""Other CPUs' kernels, emulated (`make test-cpus`): the numerics tests and chapters
+run again under MKL's and ATen's code paths for another CPU, and the largest
+measured/allowed error of each test file and chapter is printed.
 
     python -m labkit.cli.cpus [--corners avx2,avx512,compatible] [--even-covered]
         [--tests FILE...] [--chapters NOTEBOOK...] [--out DIR] [--jobs N]
+
+Imports the standard library, pytest (it is a pytest plugin too), numpy and torch.
+A corner is skipped, and said so, where the CPU lacks it (torch would accept avx512
+and crash on its first AVX-512 instruction) or nothing in it is new on this CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+# Two switches pick the kernels at startup on any x86 machine: MKL_CBWR is MKL's
+# code path (COMPATIBLE: its generic one), ATEN_CPU_CAPABILITY PyTorch's own.
 CORNERS = {
     "avx2": {"MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
     "avx512": {"MKL_CBWR": "AVX512", "ATEN_CPU_CAPABILITY": "avx512"},
@@ -163,6 +156,9 @@ def report(out: Path, corners: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run each corner this CPU supports and that is new on it (every supported
+    one with --even-covered), then print the margins report; 1 if a corner's
+    run failed, else 0."""
     p = argparse.ArgumentParser(prog="python -m labkit.cli.cpus")
     p.add_argument("--corners", default="avx2,avx512,compatible")
     p.add_argument("--tests", nargs="*", default=["tests"])

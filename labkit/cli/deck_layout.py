@@ -1,18 +1,11 @@
 """A static deck's slides (`make slides`): one slide per idea, with its code.
 
-RISE, live in JupyterLab, gives every code cell a sub-slide of its own
-(nbclean.slide_type), so its output has room as it runs. A built deck has its
-outputs already, and a code cell a sub-slide is a notebook dump: chapter 06
-had 32 code slides in 41. Here a heading starts a slide (an idea), and the
-text, code and output after it stay on that slide while they fit a 1280x720
-screen; what does not fit goes on a sub-slide below, which starts at a cell
-boundary. First a text cell is cut at a heading inside it
-(split_at_headings) and, taller than the screen, at its paragraphs
-(split_tall_text). Heights are estimated from the cells (lines of text and
-code at the deck's sizes, page_assets.DECK_CSS, fitted to what Chromium draws
-for chapters 02 and 06: median within 11 %; figures' stored pixel heights).
-A slide the estimate gets wrong, or one cell taller than a screen
-(a long function), scrolls (page_assets.DECK_JS).
+Imports labkit.cli.nbclean only.
+
+A heading starts a slide, and the cells after it stay on that slide while they
+fit a 1280x720 screen (heights estimated from the cells: `height`); what does not
+fit goes on a sub-slide below, from a cell boundary. RISE, live, gives every code
+cell a sub-slide instead, which turns a built deck with outputs into a notebook dump.
 """
 
 from __future__ import annotations
@@ -24,6 +17,8 @@ import re
 
 from labkit.cli.nbclean import deck_slide_type
 
+# Heights in px at the deck's sizes (page_assets.DECK_CSS), fitted to what
+# Chromium draws; a slide the estimate gets wrong scrolls (page_assets.DECK_JS).
 SCREEN_PX = 640        # 720 less reveal's margins and the slide's padding
 PROSE_PX, PROSE_CHARS = 33, 78   # a line of 24 px text, 1.35 high; ~1100 px wide
 CODE_PX, CODE_CHARS = 26, 100    # 15 px code, its padding and margins

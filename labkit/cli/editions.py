@@ -1,23 +1,13 @@
-"""The two editions the site and the slide decks are built from.
+"""The two editions the site and the slide decks are built from: public, lecturer.
 
-`python -m labkit.cli.editions EXECUTED OUT public|lecturer` writes, for each
-executed chapter in EXECUTED (outputs and widgets' state kept), its edition in
-OUT as `make slides` converts it (the site, site.py, writes its own):
+    python -m labkit.cli.editions EXECUTED OUT public|lecturer
 
-- **public**: what a class may see before the exercises are due. Every cell
-  tagged `solution` (code, or a written answer in markdown) is dropped, and the
-  outputs of what would give an answer away are cleared: the exercise's check
-  cell (its message names the right answer) and the stub. The page's download
-  link then serves this notebook, not the one with the solutions.
-- **lecturer**: everything, each solution headed by a line that says it is one.
+Imports labkit.cli's atomic, deck_layout and student modules only.
 
-Both carry a static deck's slide types (deck_layout.deck_slide_types): one
-slide per idea with its code, set-up, asserts, checks and solutions left out of
-`make slides`' decks (RISE, live in JupyterLab, keeps the committed notebook's,
-which runs every cell).
-
-Each notebook is written to a temporary file and renamed; only `*.ipynb` files of
-the chapters given are written, nothing else in OUT is touched.
+**public** drops every cell tagged `solution` and clears the outputs that would
+give an answer away (an exercise's stub and its check cell, whose message names
+the right answer); **lecturer** keeps everything, each solution headed by a line
+that says it is one.
 """
 
 from __future__ import annotations
@@ -89,7 +79,8 @@ def write(executed: Path, out: Path, edition: str, *,
     """Each executed chapter's `edition` in `out`; returns the files written.
     deck: for `make slides`, its text cells cut at headings inside them and,
     taller than a screen, at their paragraphs (deck_layout; the site keeps
-    them whole)."""
+    them whole). Each file goes through a temporary file and a rename; nothing
+    else in `out` is touched."""
     if edition not in EDITIONS:
         raise ValueError(f"edition must be one of {EDITIONS}, not {edition!r}")
     make = public if edition == "public" else lecturer

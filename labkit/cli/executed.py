@@ -1,20 +1,12 @@
 """Each chapter executed once per run: what nbval ran is kept, outputs included.
 
-`make test-notebooks` runs the chapters under nbval with this module as a pytest
-plugin (`-p labkit.cli.executed --executed-to _build/executed`). While nbval
-executes a chapter cell by cell and checks its asserts, the plugin reads the same
-kernel messages and, after the chapter's last cell, writes the executed notebook
-to _build/executed/NAME.ipynb: every cell's outputs and the widgets' stored state
-(what `nbconvert --execute --ExecutePreprocessor.store_widget_state=True` would
-write, built by nbclient's own message handling). What needs a chapter's outputs
-afterwards opens this copy instead of executing the chapter again: the browser
-test, `make book` and `make slides`.
+A pytest plugin (`make test-notebooks`: `-p labkit.cli.executed --executed-to
+_build/executed`) and `python -m labkit.cli.executed OUT CHAPTER...`; imports
+nbformat, pytest, nbclient (when executing) and labkit.cli.atomic.
 
 A copy records what it was executed from (a hash of the chapter's cells and of
-labkit's source) and whether every cell passed. `current()` tells a copy that
-still holds from one that does not; `python -m labkit.cli.executed OUT CHAPTER...`
-executes (with nbclient) only the chapters whose copy is missing or stale.
-Each copy is written to a temporary file beside it and renamed into place.
+labkit's source) and whether every cell passed; where `current()` says it holds,
+the browser test, `make book` and `make slides` open it instead of executing.
 """
 
 from __future__ import annotations
@@ -200,6 +192,9 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_runtest_teardown(item, nextitem):
+    """After a chapter's last cell under nbval, write its executed copy to
+    --executed-to; nothing when some of its cells were deselected (not a whole
+    execution)."""
     cell = _cell_item(item)
     out = item.config.getoption("--executed-to")
     if cell is None or not out:
@@ -240,6 +235,8 @@ def execute(chapter: Path, out: Path, timeout: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Execute the chapters whose copy in OUT is missing or stale (--jobs at once,
+    each in a process of its own); non-zero when a cell of one failed."""
     ap = argparse.ArgumentParser(
         prog="python -m labkit.cli.executed",
         description="Execute the chapters whose copy in OUT is missing or stale "

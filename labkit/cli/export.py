@@ -1,16 +1,12 @@
 """`python -m labkit export notebooks/NN_x.ipynb --out build/workers/NN_x.py`: a
 chapter's worker functions as an importable module, for torchrun on a cluster.
 
-The rule, statement by statement (top level of each code cell):
-  kept     imports, `def`, `class`, and assignments whose right-hand side uses only
-           literals, operators, names already kept and builtins (a call is allowed
-           only when its target is all upper case, e.g. `PSI = sum(...)`: a
-           constant);
-  skipped  everything else: cells tagged exercise/solution, cells with IPython
-           magics, and statements that start a Cluster, run, train, draw or print
-           (anything else with a call, a loop, an `if`, a `with`, ...).
-Functions that use a name no kept statement defines are listed: they need it as
-an argument, or the notebook should compute it in a constant cell.
+Standard library only (nbformat when exporting).
+
+Kept, per top-level statement of a code cell: imports, `def`, `class` and
+constants (`_constant` says which); skipped: cells tagged exercise or solution or
+with IPython magics, and whatever starts a Cluster, runs, draws or prints. A
+function that uses a name nothing kept defines is listed: it needs an argument.
 """
 
 from __future__ import annotations
@@ -52,6 +48,9 @@ def _targets(stmt) -> list[str]:
 
 
 def _constant(stmt, defined: set[str]) -> bool:
+    """Whether an assignment is a constant to keep: its right-hand side uses only
+    literals, operators, names already kept and builtins, and a call or
+    comprehension only when every target is upper case (`PSI = sum(...)`)."""
     names = _targets(stmt)
     if not names or stmt.value is None:
         return False
@@ -117,6 +116,9 @@ def _unresolved(source: str, defined: set[str]) -> dict[str, list[str]]:
 
 
 def export_notebook(path) -> Export:
+    """The chapter at `path` as an Export: the module's source (what its code
+    cells keep, under a `# --- cell N` line each, compiled to check it), what
+    each cell kept and skipped, and each function's names nothing kept defines."""
     import nbformat
 
     nb = nbformat.read(str(path), as_version=4)

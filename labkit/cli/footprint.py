@@ -1,19 +1,12 @@
 """`python -m labkit footprint`: what one student costs a shared server.
 
-It starts a Jupyter kernel as a student's notebook does (jupyter_client, this
-Python), and in it labkit and a 4-rank cluster; after each stage of a chapter's
-typical work (rank functions below, the chapters' own models and wrappers) it
-reads every process under the kernel from /proc (footprint_proc.py): memory,
-threads, CPU seconds, TCP sockets. It prints one table per stage, the total per
-student, and saves the figures (`saved_path()`) for `python -m labkit doctor`,
-which turns them into a class size for the machine it runs on (class_size.py).
+Imports labkit.cli.class_size; jupyter_client, labkit.cli.footprint_proc and (on
+the ranks) torch, labkit.ledger and labkit.parallel inside functions.
 
-Per student, memory is counted as what no other student's processes share:
-Pss minus Pss_File, the anonymous pages of the kernel, the forkserver and the
-ranks (forked ranks share theirs with the forkserver: Pss counts each page once
-over the tree). The file-backed pages (torch's libraries) are one copy per machine
-when every kernel runs the same Python environment: counted once, as the most
-any one process maps (Rss - Anonymous).
+It runs a chapter's typical work stage by stage in a real Jupyter kernel with a
+4-rank cluster and reads every process under it from /proc. A student's memory is
+what no other student shares: the anonymous Pss (Pss - Pss_File) of kernel,
+forkserver and ranks; torch's library files count once per machine (`summary`).
 """
 
 from __future__ import annotations
@@ -223,6 +216,8 @@ def summary(stages: list[dict]) -> dict:
         "per_student_bytes": max(anon(s) for s in stages),
         "per_student_4_ranks_bytes": max(anon(s) for s in four),
         "idle_stopped_bytes": max(anon(s) for s in stages if "left idle" in s["stage"]),
+        # file-backed pages (torch's libraries): one copy per machine when every
+        # kernel runs the same environment, so the most any one process maps
         "shared_files_bytes": max(p["rss_file"] for s in stages for p in s["procs"]),
         "busy_cores": max(s["cpu_s"] / s["wall_s"] for s in steps),
         "idle_cores": max(s["cpu_s"] / s["wall_s"] for s in stages

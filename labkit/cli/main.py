@@ -122,6 +122,7 @@ def _student(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    """`python -m labkit`'s parser: one subcommand each, its handler in `func`."""
     p = argparse.ArgumentParser(prog="python -m labkit")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("doctor", help="versions, backend, and a 2-rank smoke test"

@@ -3,13 +3,10 @@ kept outside the clone (a fresh clone, as CI makes, finds it again).
 
     python -m labkit.cli.newest VENV --torch SPEC [--refresh-hours H]
 
-The environment holds labkit's dependencies, not labkit: the tests import labkit
-from the clone (`make test-newest` sets PYTHONPATH). It is made once for each
-pyproject.toml, Python and torch (their hash is kept in VENV/.labkit-newest); after
-that, pip upgrades it in place, downloading only what has a newer release, and
-only when the last refresh is more than H hours old (default 12; 0: every time).
-While a new one is built the old one waits beside it, and comes back if the
-build fails. Runs with the system's Python: standard library only.
+Standard library only: it runs with the system's Python. The environment holds
+labkit's dependencies, not labkit (`make test-newest` imports labkit from the
+clone); it is built anew when pyproject.toml, Python or torch change (`key`),
+else upgraded in place at most every H hours (default 12; 0: every time).
 """
 
 from __future__ import annotations
@@ -35,6 +32,8 @@ def requirements(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
 
 
 def key(torch: str, pyproject: Path = ROOT / "pyproject.toml") -> str:
+    """What an environment is made for, as a hash (kept in VENV/.labkit-newest):
+    pyproject.toml, this Python and the torch requirement."""
     h = hashlib.sha256(pyproject.read_bytes())
     h.update(f"\0{sys.version}\0{torch}".encode())
     return h.hexdigest()

@@ -1,14 +1,11 @@
 """The style and script the built pages add to what the chapters render: the
 site (labkit/cli/site.py) and the slide decks (vendor.py's deck template).
 
-- Code wraps instead of running off the side (a 1280 px projector, print).
-- A widget on a static page is a snapshot of the run that built the page: no
-  kernel answers its controls. Controls whose states were drawn ahead
-  (labkit.viz.widgets.LIVE_CLASS) keep working, switched in the browser; the
-  others are disabled, and a line atop the widget says which is which,
-  rather than a slider that moves while its figure does not.
-- Decks: slides taller than the screen scroll from the first slide on (reveal's
-  own hook runs only when the slide changes), at a readable size.
+Imports labkit.viz (LIVE_CLASS) only.
+
+A widget on a static page is a snapshot of the run that built it: controls drawn
+ahead (LIVE_CLASS) keep working in the browser, the others are disabled, and a
+line atop the widget says which is which.
 """
 
 from __future__ import annotations
@@ -117,6 +114,7 @@ DECK_CSS = _SNAPSHOT_CSS + """\
 """
 
 # after reveal.js is up: the tall slides of the slide shown scroll, from the first
+# (reveal's own hook runs only when the slide changes)
 DECK_JS = """\
 require(["%s/dist/reveal.js"], function (Reveal) {
   function fit() {

@@ -1,18 +1,12 @@
 """What the site's search shows under each result: a page's own text.
 
-Sphinx's search shows a snippet of each page found by fetching the page and
-reading its `[role=main]` element. On our theme that element holds the page's
-buttons and side panels too (snippets read "...Settings Light Dark..."), its
-formulas are raw TeX (MathJax has not run on a fetched page), and over file://
-the fetch is refused, so a lecturer opening the site from disk gets titles
-only.
+Imports bs4 and labkit.cli.atomic.
 
-So after the build each page's article text is read here, once: the prose and
-code a reader sees, without outputs, widgets, buttons or permalinks, and with
-formulas in plain letters (2(N-1)/N·M rather than \\(2\\frac{N-1}{N}M\\)).
-`write` stores it in `_static/labkit-search.js`, which only the search page
-loads; there it answers the search's fetch of a page with that text, so the
-snippets work the same from disk and over http.
+Sphinx's search fetches each page found and reads its `[role=main]`, which on our
+theme holds buttons and raw TeX, and which browsers refuse to fetch over file://.
+So each page's article text is read here once after the build (prose and code,
+formulas in plain letters), and `write` stores it in `_static/labkit-search.js`,
+which answers the search's fetch of a page from disk and over http alike.
 """
 
 from __future__ import annotations

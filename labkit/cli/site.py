@@ -1,15 +1,13 @@
 """`make book`: one site from the executed chapters, read without a network.
 
-`python -m labkit.cli.site EXECUTED OUT` writes a Sphinx project (MyST-NB, the
-engine of Jupyter Book 1, with sphinx-book-theme) beside OUT and builds it into
-OUT: an index page saying what the course is with the chapter list, the table of
-contents in the sidebar, previous/next links, Sphinx's search, math, figures and
-the widgets' stored state. Chapters are taken as they are (outputs included,
-nothing executed here); scripts come from _build/vendor (labkit/cli/vendor.py).
+    python -m labkit.cli.site EXECUTED OUT [VENDOR [EDITION]]
 
-Jupyter Book 2 (MyST's own site) is not used: its sites show a placeholder where
-an ipywidget is, not the widget from its stored state (jupyter-book/myst-theme
-issue 428, open), and the course's figures live in widgets."""
+Imports labkit.cli's own modules, and labkit.theory for the formula sheet; runs
+Sphinx (MyST-NB, sphinx-book-theme) in a subprocess.
+
+Chapters are taken as they are, outputs and widgets' state included: nothing is
+executed here. Scripts come from _build/vendor (vendor.py).
+"""
 
 from __future__ import annotations
 
@@ -240,6 +238,9 @@ def _list_after(text: str, lead: str) -> list[str]:
 
 
 def chapter(nb_path: Path) -> Chapter:
+    """The Chapter the notebook at `nb_path` describes: its prose's words (code
+    blocks left out), its "**In this chapter**" list, its exercises (bold title,
+    else first sentence, and points) and its "**Glossary**" rows."""
     nb = json.loads(nb_path.read_text(encoding="utf-8"))
     texts = _md(nb)
     prose = "\n".join(re.sub(r"```.*?```", "", t, flags=re.S) for t in texts)
@@ -282,6 +283,9 @@ def index_page(chapters: list[Chapter], edition: str, repo_url: str | None) -> s
 
 
 def teaching_page(chapters: list[Chapter]) -> str:
+    """The "Teaching with Parallelism Lab" page: a schedule in sessions of
+    SESSION_MINUTES (a long chapter over several), each chapter's objectives,
+    and every exercise with its points."""
     schedule, n = [], 0
     for c in chapters:
         for part in range(c.sessions):
@@ -402,6 +406,9 @@ def write_project(executed: Path, src: Path, vendor: Path,
 
 
 def build(executed: Path, out: Path, vendor: Path, edition: str = "public") -> None:
+    """Write the Sphinx project beside `out` (OUT-src) and build it into `out`,
+    replaced whole (SystemExit with sphinx's errors if it fails); then the search
+    text and the widgets' icon fonts where their renderer looks for them."""
     src = out.parent / f"{out.name}-src"
     write_project(executed, src, vendor, edition)
     shutil.rmtree(out, ignore_errors=True)

@@ -1,24 +1,11 @@
 """`make student`: the student edition, solutions out.
 
-Each notebooks/NN_x.ipynb becomes dist/student/NN_x.ipynb: every cell tagged
-`solution` is dropped (the `exercise` stub before it stays), outputs, execution
-counts and saved widget state are cleared. images/ is copied into the edition and
-markdown links to `../images/` point there, so the folder can be handed out alone.
+Imports labkit.cli.atomic; IPython, nbformat and nbclient inside functions.
 
-The build never deletes or overwrites what it did not write: RECORD in the folder
-holds a hash of each notebook it wrote; a chapter's name taken by a file it did
-not write, or that changed since (a student's work), is refused before anything
-is written, and an edition of a chapter since removed from the course goes only
-if unchanged. Each notebook is written to a temporary file and renamed.
-
-The build refuses a notebook whose exercises break their layout: a cell tagged
-`exercise` (by convention a stub raising NotImplementedError("exercise: ...")),
-the solution in the next cell tagged `solution`, defining every function, class
-and variable the stub defines, then an untagged cell calling a `check_...`
-function of labkit.checks. So running the whole chapter (nbval) checks every
-solution, and the student edition keeps every stub and every check. An exercise
-cell's metadata "points" (a number > 0; 1 where absent) is what it is worth as
-an nbgrader assignment (assignments.py).
+Each notebooks/NN_x.ipynb becomes dist/student/NN_x.ipynb without its `solution`
+cells, outputs or widget state, with images/ copied in. The build never deletes
+or overwrites what it did not write (RECORD keeps a hash of each notebook it
+wrote), and refuses a notebook that breaks the exercise layout (`layout_problems`).
 """
 
 from __future__ import annotations
@@ -84,7 +71,10 @@ def _defined_names(code: str) -> set[str] | None:
 
 
 def layout_problems(nb: dict, name: str = "notebook") -> list[str]:
-    """Every place where `nb` breaks the exercise layout, one line each."""
+    """Every place where `nb` breaks the exercise layout, one line each. The
+    layout: a cell tagged `exercise` (a stub raising NotImplementedError; its
+    "points" a number > 0), next its `solution`, defining every name the stub
+    does, then for code an untagged cell calling a labkit.checks `check_...`."""
     cells, out = nb["cells"], []
     for i, c in enumerate(cells):
         t = tags(c)

@@ -1,15 +1,12 @@
 """The scripts and style sheets `make book` and `make slides` pages load, copied
 beside them so the pages work without a network (a lecture hall, an exam room).
 
-`python -m labkit.cli.vendor _build/vendor` fetches each package below from the
-npm registry (`npm pack`, node's own client) once, and keeps the files the pages
-use under `_build/vendor/<name>/`; `python -m labkit.cli.vendor --flags
-../vendor _build/vendor` prints the nbconvert options that point the pages there
-(`../vendor/...` from `_build/slides/`), for the Makefile and tests/browser; the
-book's site carries a copy in its `_static/` (labkit/cli/site.py). The versions
-are the ones nbconvert's templates name (MathJax 2.7.7, reveal.js 4.0.2) or its
-defaults are written for (require.js, jQuery, the widget renderer for ipywidgets
-8)."""
+    python -m labkit.cli.vendor _build/vendor                    # fetch, once
+    python -m labkit.cli.vendor --flags ../vendor _build/vendor  # nbconvert options
+
+Imports labkit.cli.page_assets only; fetches each package with `npm pack`, node's
+own client, and keeps the files the pages use under `_build/vendor/<name>/`.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +23,8 @@ from pathlib import Path
 from labkit.cli.page_assets import DECK_CSS, DECK_JS, SNAPSHOT_JS
 
 # local name -> (npm package@version, the files or folders of it the pages use;
-# a name may be a glob)
+# a name may be a glob). The versions: those nbconvert's templates name (MathJax,
+# reveal.js) or its defaults are written for (require.js, jQuery, ipywidgets 8's).
 PACKAGES = {
     "mathjax": ("mathjax@2.7.7", [
         "MathJax.js", "config/TeX-AMS_CHTML-full.js", "extensions", "localization",

@@ -4,11 +4,10 @@
     s = switch(16, link_bw=450e9)                  # GPU-style: every device to a switch
     route(t, ring_all_reduce_transfers(ring_order(t), M)).max_link_bytes
 
-Bandwidths are bytes per second per direction; a link (a, b) and (b, a) are the two
-directions of one cable. Routing is deterministic: dimension-order on a torus
-(shortest way round each ring, x first), through the switch otherwise. A device on
-a path between two others forwards the message (`Routed.relayed`): on a torus the
-chips do it, on a switched network the switches do.
+Standard library only. Bandwidths are bytes per second per direction: a link (a, b)
+and (b, a) are the two directions of one cable. Routing is deterministic:
+dimension-order on a torus (shortest way round each ring, x first), else through
+the switch.
 """
 
 from __future__ import annotations
@@ -188,7 +187,8 @@ class Routed:
     link_bytes: dict[tuple[str, str], float]
     hops: list[int]  # per transfer
     link_bw: dict[tuple[str, str], float]
-    # device -> bytes it passed on for others (it was neither source nor target)
+    # device -> bytes it passed on for others (it was neither source nor target):
+    # on a torus the chips relay, on a switched network the switches do
     relayed: dict[str, float] = field(default_factory=dict)
 
     @property

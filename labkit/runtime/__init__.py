@@ -1,14 +1,12 @@
 """Layer 1, the runtime: real torch.distributed ranks that a notebook cell drives.
 
-`Cluster` and `run` (cluster.py), the forkserver that forks ranks with torch
-already imported (forkserver.py) and the loop each rank runs (rank.py), the typed
-messages between kernel, forkserver and ranks (messages.py) over length-prefixed
-frames (wire.py), results and errors (results.py), how long each wait may take
-(timeouts.py), `%%ranks` (magics.py), and
-`launch` under torchrun (launch.py) and the per-rank result files it writes and
-`load_results` merges (results_io.py). Imports from labkit only labkit.units and
-labkit.arguments; beside the standard library, torch, cloudpickle and IPython
-(the cell's live view, `%%ranks`).
+Imports from labkit only labkit.units and labkit.arguments; beside the standard
+library, torch, cloudpickle, IPython (the cell's live view, `%%ranks`) and tqdm
+(`progress` outside a labkit rank).
+
+`Cluster` and `run` (cluster.py) drive ranks forked by a forkserver that has torch
+imported already (forkserver.py); launch.py and results_io.py run the same worker
+functions under torchrun. docs/design.md lists every module.
 """
 
 from labkit.runtime import forkserver as _forkserver

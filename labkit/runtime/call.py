@@ -87,6 +87,9 @@ class CallInFlight:
         self.failed: dict[int, object] = {}  # rank -> RemoteError, or how it died
 
     def collect(self, payload: bytes) -> RankResults:
+        """Send the packed call to the ranks and wait for them; the RankResults,
+        or the error build_error makes (a rank failed, or some were still busy
+        at the timeout: what each was doing). The transcript is shown either way."""
         self.started = time.monotonic()
         self._send(payload)
         finished, shown = False, False

@@ -4,21 +4,10 @@
     res = cluster.run(fn, x)          # fn(rank, world_size, x) on every rank
     res[2], res.values
 
-Ranks are forked from a per-kernel forkserver that has torch imported
-(forkserver.py, rank.py), join a gloo (CPU) or NCCL (GPU) process group through a
-TCPStore this process hosts on 127.0.0.1, and wait for work. Any failure (an
-exception, a hang past `timeout`, a dead rank, an interrupt) stops every rank; the
-next `run` starts them again. So does `idle_timeout` (or LABKIT_IDLE_TIMEOUT, for a
-whole server): ranks left idle that long are stopped and their memory given back.
-Every other wait is bounded by `cluster.timeouts` (a Timeouts record).
-
-Threads: one call at a time. `run` holds the cluster's lock for the whole call;
-a call from another thread waits its turn. `close()` and `restart()` take the
-same lock: called from another thread while a call runs, they interrupt it (it
-stops within `Timeouts.poll`, or the bounded wait it is in, and raises
-ClusterClosed or CallInterrupted, naming which), its ranks are stopped, and then
-they run, before any call that was waiting. The idle timer stops only ranks no
-call holds. Ctrl-C in the thread running a call stops the ranks, as any failure.
+Imports labkit.runtime's own modules and the standard library. Any failure (an
+exception, a hang past `timeout`, a dead rank, an interrupt) stops every rank, and
+the next `run` starts them again. One call at a time: `run` holds the cluster's
+lock, and `close()` or `restart()` from another thread interrupts the call.
 """
 
 from __future__ import annotations
@@ -204,8 +193,9 @@ class Cluster:
                 self._idle.arm()
 
     def restart(self) -> None:
-        """Stop the ranks and start them again (a call running in another thread
-        is interrupted first: see the module docstring)."""
+        """Stop the ranks and start them again. A call running in another thread
+        is interrupted first (it raises CallInterrupted); this runs before any
+        call that was waiting."""
         with self._op_turn("restart()"):
             if self._closed:
                 raise ClusterClosed(
@@ -219,7 +209,8 @@ class Cluster:
 
     def close(self) -> None:
         """Stop the ranks and free the port and files. Safe to call twice, and
-        from another thread while a call runs (which it interrupts)."""
+        from another thread while a call runs (which it interrupts: that call
+        raises ClusterClosed)."""
         if self._closed:
             return
         with self._op_turn("close()"):

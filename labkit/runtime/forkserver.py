@@ -1,28 +1,12 @@
 """The forkserver: a process with torch imported that forks rank processes.
 
-A kernel starts one (a fresh ``python`` running forkserver_process.serve, not a
-fork of the multi-threaded kernel) in its own session; it imports torch once, so
-a cluster starts in a fraction of a second after the first. Ranks are its
-children: it reaps them and reports how each ended. It exits when the kernel does.
+This is the kernel's side: `Forkserver` is its handle on the process
+(forkserver_process.py), `shared()` the one per kernel. Imports labkit.runtime's
+wire, messages and timeouts, and the standard library.
 
-Ranks also want what a first optimizer step or dispatch mode imports
-(PRELOAD_WHEN_IDLE: torch._dynamo) and what the layers above the runtime import
-(the memory ledger); each such layer names itself with `preload_when_idle(...)`
-when the kernel imports it, and the kernel's handle passes the names on (a
-Preload message), so the runtime names no layer above it. What was asked for by
-the forkserver's start, it imports before it says ready (each rank of the first
-cluster would otherwise import it on first use, all at once). What is asked for
-later it never imports itself, since it could not fork while importing: once
-idle (1 s after serving a cluster, 3 s if none came), it forks a successor that
-imports it and then takes over the forking, while the first keeps serving until
-the successor is ready (so a restart after a fault never waits for an import).
-Then the kernel retires the first (Retire): it exits once the ranks it forked
-have (it would otherwise hold its memory for as long as the kernel runs). Its
-successor, orphaned, is the forkserver from then on; `pids` names every
-forkserver process still running.
-
-This module is the kernel's side: `Forkserver` is its handle on the process
-(forkserver_process.py), `shared()` the one per kernel.
+What a layer above asks to have imported later (`preload_when_idle`) a serving
+forkserver never imports itself, since it could not fork meanwhile: once idle it
+forks a successor that imports it and takes over the forking.
 """
 
 from __future__ import annotations
@@ -89,6 +73,8 @@ class Forkserver:
         self.log = tempfile.TemporaryFile(prefix="labkit-forkserver-")
         code = "import sys; from labkit.runtime.forkserver_process import serve; " \
                "serve(*map(int, sys.argv[1:]))"
+        # a fresh python, not a fork of the multi-threaded kernel, in a session
+        # of its own; it imports torch once and forks every rank after that
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, str(theirs.fileno()), str(lifeline_r),
              str(os.getpid())],

@@ -1,22 +1,12 @@
 """`python -m labkit launch FILE.py:FUNCTION --nproc N`: run a chapter's worker
 function under torchrun, unchanged, on a real machine or a cluster.
 
-The same `fn(rank, world_size, *args)` that `cluster.run` calls in a notebook is
-called here in every torchrun process, after `init_process_group` (NCCL with one
-GPU per local rank, else gloo). Rank 0 prints what every rank's `fn` returned, in
-rank order; with `--results DIR` every rank also writes it to `DIR/rank{r}.pt`
-(merged by `python -m labkit results DIR` or `load_results(DIR)`).
-Extra torchrun options (--nnodes, --rdzv-endpoint, ...) go after `--torchrun`.
+Imports the standard library; torch and labkit.runtime's backend and results_io
+inside functions.
 
-On many nodes, run torchrun yourself on each node (`python -m labkit.launch` is
-this module's `_main`):
-
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST:29500 -m labkit.launch \\
-        build/workers/07_fsdp.py:train FSDP --results runs/fsdp
-
-Each ARG after the target is read as a Python literal (`4`, `'FSDP'`, `(2, 3)`),
-else kept as a string (`FSDP`).
+The `fn(rank, world_size, *args)` that `cluster.run` calls is called in every
+torchrun process after `init_process_group` (NCCL with one GPU per local rank,
+else gloo); rank 0 prints what every rank returned, and `--results DIR` saves it.
 """
 
 from __future__ import annotations

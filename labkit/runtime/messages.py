@@ -2,16 +2,12 @@
 
     kernel -> forkserver   Spawn, Preload, Retire
     forkserver -> kernel   ForkserverReady, Spawned, RankExited, Successor
-    rank -> kernel         Hello (first, on each of its two connections), then on
-                           the main one Joined or JoinFailed, Progress while a call
-                           runs, and Returned or Raised when it ends
+    rank -> kernel         Hello first on both connections; main: Joined or
+                           JoinFailed, Progress, Returned or Raised; status: Status
     kernel -> rank         Call (main connection), StatusRequest (status one)
-    rank -> kernel         Status (status connection)
 
-A Call and what answers it travel with cloudpickle (functions and values defined in
-a notebook go by value); everything else is plain pickle of these classes and
-standard types, which the forkserver can read before it has imported torch.
-Standard library only.
+Standard library only, so the forkserver reads them before it has imported torch;
+a Call and its answer travel with cloudpickle, the rest as plain pickle.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
-"""What ranks print. Each rank's stdout and stderr go to files (file descriptors 1
-and 2, so C++ warnings and output written just before a crash are kept too). While
-a call runs, `tail` reads the whole lines written since it last looked (for the
-live view); when the call returns, `transcript` prints everything each rank wrote
-during it, in rank order, so what a notebook keeps never depends on timing.
+"""What ranks print: each rank's stdout and stderr (file descriptors 1 and 2, so C++
+warnings and output written just before a crash are kept too) go to files.
 
-Bounded on disk, by the rank itself (RankFiles): each stream is a run of numbered
-segment files, the next one started (dup2, so no write is lost) once the current
-one holds SEGMENT bytes. Of what a rank writes in one call (or between two), it
-keeps the first HEAD bytes and the last SEGMENT or more; what lies between becomes
-one line, '... N lines (M MiB) left out ...'. When a call arrives, it deletes the
-segments the kernel read in full (those finished before it answered the last).
+Imports labkit.units and the standard library.
+
+While a call runs, `tail` reads the whole lines written since it last looked (the
+live view); when it returns, `transcript` prints everything in rank order, so what
+a notebook keeps never depends on timing. Bounded on disk by the rank itself
+(RankFiles): of one call's output it keeps the first HEAD bytes and the last
+SEGMENT or more, and what lies between becomes one '... left out ...' line.
 """
 
 from __future__ import annotations

@@ -52,6 +52,9 @@ CONNECTION: dict = {"main": None, "lock": threading.Lock()}
 
 
 def rank_main(spec: RankSpec, kernel_gone: tuple[int, ...]) -> int:
+    """A forked rank's life: its own session and output files, both connections
+    to the kernel, the process group joined (JoinFailed, and 1, if that fails),
+    then calls served until the end; 0 after a clean end."""
     os.setsid()  # own session: the kernel's SIGINT (sent to its group) never arrives
     os.environ[ROLE_ENV] = "rank"
     os.environ.update(spec.env)

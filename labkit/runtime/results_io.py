@@ -1,15 +1,12 @@
 """What a torchrun run gives back, as `cluster.run` gives it in a notebook.
 
-Under `labkit.launch ... --results DIR` every rank writes `DIR/rank{r}.pt`: what
-its `fn` returned (CUDA tensors moved to the CPU; ledgers pickle their data, never
-their hooks), with the run's id, world size, host and seconds in `fn`.
-`load_results(DIR)` merges the files in rank order into a `RankResults` (its
-`.values` is what `cluster.run(fn).values` would be); `python -m labkit results DIR`
-(labkit/cli/results.py) prints a summary and, with `--chart`, draws the ledgers it
-finds.
+Imports labkit.runtime's results and rank; torch and cloudpickle inside functions.
 
-On several nodes without a shared file system each node writes its own ranks'
-files: copy them into one folder, or pass every node's folder.
+Under `labkit.launch ... --results DIR` every rank writes `DIR/rank{r}.pt`;
+`load_results(DIR)` merges the files in rank order into a `RankResults` (its
+`.values` is what `cluster.run(fn).values` would be). On several nodes without a
+shared file system, copy every node's files into one folder, or pass every
+node's folder.
 """
 
 from __future__ import annotations
@@ -38,7 +35,8 @@ class ResultsError(ValueError):
 def save_rank_result(directory, rank: int, world_size: int, value=None, *,
                      error: BaseException | None = None, seconds: float = 0.0,
                      target: str = "", args: tuple = (), run_id: str = "") -> Path:
-    """Write one rank's result (or its error) to DIR/rank{rank}.pt, atomically."""
+    """Write one rank's result (or its error) to DIR/rank{rank}.pt, atomically;
+    CUDA tensors are moved to the CPU first (ledgers pickle their data only)."""
     import cloudpickle
     import torch
 

@@ -1,9 +1,9 @@
 """Layer 2, closed forms only: what the course's numbers should be.
 
-No torch.distributed and no measurement here; imports only labkit.conventions and
-labkit.units. Sizes are bytes, times seconds, bandwidths bytes/second (labkit.units
-has GB = 1e9 and GiB = 2**30). Every formula names its source, and
-tests/test_theory_*.py hold each to a published number.
+No torch.distributed and no measurement here; imports only labkit.conventions,
+labkit.units and labkit.arguments. Sizes are bytes, times seconds, bandwidths
+bytes/second (labkit.units has GB = 1e9 and GiB = 2**30). Every formula names its
+source, and tests/test_theory_*.py hold each to a published number.
 """
 
 from labkit.theory import hardware

@@ -1,6 +1,6 @@
 """Layer 4, pictures: data in, matplotlib Figure out; widgets bind controls to them.
 
-May import the layers below (theory, comm, ledger data). Each chart takes plain
+May import the layers below (theory, ledger, comm, parallel). Each chart takes plain
 data and an optional `ax`, draws only there, and returns a Figure without touching
 pyplot or rcParams; a widget only binds controls to a chart.
 

@@ -1,22 +1,10 @@
 """The layout calculator: what a parallel layout (TP, CP, PP, DP/ZeRO, EP) costs
 per device on a cluster, in closed form, and a chooser that ranks layouts.
 
-Each module imports only those before it (no cycles):
-
-    cluster     ClusterSpec, its sourced constants, the published clusters
-    layout      Layout, check_layout, StepShape, which groups sit in a node
-    counts      parameters per device, FLOPs per token
-    roofline    gemm_time, layer_gemms, compute_slowdown, model_time
-    memory      memory(): bytes per device by category; activations_held
-    traffic     traffic(): bytes sent per step by dimension; dp_traffic
-    time        time(): compute, exposed communication, bubble; ring_latency
-    breakdown   Estimate, what the calculator returns
-    reasons     reasons(): plain sentences on an Estimate
-    calculator  estimate(): memory, traffic and time combined into an Estimate
-    published   the published runs' layouts, with sources
-    ranking     choose, find, explain: every layout a cluster can run, ranked
-    runs        PublishedRun, PUBLISHED_RUNS: published layout, model, batch
-    scaling     scale(): how many GPUs a model can use well
+Part of labkit.theory: imports labkit.theory's other modules, labkit.conventions
+and labkit.units only. Each module here imports only those before it in this
+order (no cycles): cluster, layout, counts, roofline, memory, traffic, time,
+breakdown, reasons, calculator, published, ranking, runs, scaling.
 """
 
 from labkit.theory.layout.breakdown import Estimate

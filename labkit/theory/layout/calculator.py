@@ -1,14 +1,12 @@
-"""The layout calculator: a parallel layout's memory, traffic and step time per
-device, in closed form, and why.
+"""The layout calculator's `estimate()`: a parallel layout's memory, traffic and step
+time per device, in closed form, and why.
 
-The pieces are the course's own closed forms: ZeRO's model states
-(theory.zero), Korthikanti et al.'s activations (theory.activations), Megatron's
-tensor-parallel all-reduces (theory.tensor_parallel), ring collectives
-(theory.collective_cost) and pipeline bubbles (theory.pipeline). What this
-package adds is how a layout's degrees feed them (memory, traffic), and a step
-time (time): matrix products by a roofline at the shapes each device gets
-(roofline), each collective by the α-β model, α from NCCL's own cost model
-(cluster).
+Imports the layout modules before it and labkit.theory.models.
+
+The pieces are the course's own closed forms (theory.zero, theory.activations,
+theory.tensor_parallel, theory.collective_cost, theory.pipeline); this package
+adds how a layout's degrees feed them, and a step time: matrix products by a
+roofline, each collective by the α-β model, α from NCCL's own cost model.
 """
 
 from __future__ import annotations
