@@ -23,8 +23,7 @@ __all__ = ["check_min_units", "check_peak_share", "check_zero3_hooks"]
 
 IN, OUT = 10, 7  # a Linear whose weight (70) and bias (7) are not multiples of 4
 # labkit's own FSDP (its hooks, reduce-scatter) and rings: never the answer
-_OWN = ("labkit.parallel.fsdp", "labkit.parallel.fsdp_hooks",
-        "labkit.parallel.fsdp_recompute", "labkit.parallel.fsdp_accumulation",
+_OWN = ("labkit.parallel.fsdp", "labkit.parallel.fsdp_units",
         "labkit.parallel.reduce_scatter", "labkit.comm.collectives")
 
 

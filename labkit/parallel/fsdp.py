@@ -1,62 +1,17 @@
-"""Fully sharded data parallelism (全分片数据并行), ZeRO stage 3 (Rajbhandari et al.
-2020, sec. 5.3; PyTorch FSDP, Zhao et al. 2023, VLDB): each of N ranks keeps 1/N
-of every parameter, its gradient and (with any optimizer) its optimizer state.
-A wrapped module gathers its parameters just before it computes and frees them
-right after: gather, compute, free.
+"""Fully sharded data parallelism (全分片数据并行), ZeRO stage 3, as PyTorch's FSDP2
+(`fully_shard`): each of N ranks keeps 1/N of every parameter, its gradient and
+its optimizer state; a unit (a wrapped module) gathers its parameters just before
+it computes and frees them right after. The whole wrapper is this one class: its
+forward and recompute hooks, its backward, its gradient accumulation.
 
-    fsdp = FullyShardedDataParallel(model)          # rank 0's weights, sharded
-    opt = torch.optim.Adam(fsdp.parameters())       # steps this rank's shards
-    loss_fn(fsdp(x), y).backward()                  # gathers, reduce-scatters
-    fsdp.finish_gradient_synchronization()          # wait: shard.grad averaged
-    opt.step()
-
-Layout: each parameter is flattened, zero-padded to N*s elements (s = ceil(numel
-/ N)), and rank r keeps [r*s, (r+1)*s) as a 1-D nn.Parameter of s elements, under
-the parameter's own name (`model.named_parameters()` lists the shards).
-
-A unit is a module `wrap(module)` selects (default: every module with parameters
-of its own) and, with root=True (the default), the wrapped model itself; it owns
-its parameters not owned by a unit inside it. A parameter registered in several
-modules (tied weights) belongs to the innermost unit that holds every
-registration. So by default the root owns what no inner unit took (a tied
-embedding and head, a final norm) and every parameter is sharded: 4Ψ/N bytes per
-rank plus padding, as FSDP2's recipe (fully_shard on the blocks, then the root).
-With root=False, parameters of no unit stay replicated (a warning names them
-once): broadcast from rank 0, gradients all-reduced (averaged) in finish.
-
-Gradients follow torch.optim: a trainable parameter that got no gradient in any
-backward since the last finish keeps .grad None on every rank (never sent, never
-stepped: no weight decay, momentum, Adam state or gradient memory for it), as
-DDP, ZeroRedundancyOptimizer and FSDP2 leave it. The decision is per parameter
-and local; every rank is assumed to use the same parameters in a step (FSDP2 and
-ZeroRedundancyOptimizer assume it too), so every rank sends the same gradients,
-in the same order, and the shards stay consistent. A parameter used in some
-micro-batches (backwards) and not others is sent in those that gave it one:
-its gradient is their sum, as if zeros were sent for the others.
-
-Each gradient as it arrives, reduce-scattered with its unit's or held whole for
-gradient accumulation (set_requires_gradient_sync, no_sync): fsdp_accumulation.py.
-
-Per unit and step (bytes per rank, Ψ padded elements, 4-byte fp32):
-forward: all-gather, compute, free                 (N-1)/N · 4Ψ
-backward: all-gather (when its output's gradient arrives), compute, free,
-reduce-scatter its gradients into shard.grad      2 × (N-1)/N · 4Ψ
-each one collective for the whole unit, as FSDP2 (flat buffers: fsdp_hooks.py).
-A unit's backward is over when the gradients of its inputs are computed (or, for
-one whose inputs need none, when all its trainable parameters have gradients, or
-backward ends): then its gradients are sent and it is freed.
-prefetch=True issues the next unit's all-gather (async_op=True) before this one
-computes: the next in forward, the previous in backward (order of the first
-forward). compute_dtype=bfloat16 gathers and computes in bf16; the shards, their
-gradients and the reduce-scatter's sum stay fp32 (the gradient crosses the wire
-in bf16, the N pieces are summed in fp32: see fsdp_hooks.py).
-
-Activation checkpointing (a forward inside a backward is a recompute), and the
-start and end of a backward: fsdp_recompute.py.
+Imports torch, labkit.probe and parallel's fsdp_units (a sharded parameter, a
+unit, the all-gather and reduce-scatter), guards. A forward that runs inside a
+backward is an activation checkpoint's recompute (docs/design.md: FSDP).
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 
@@ -64,11 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-from labkit.parallel import fsdp_hooks as H
+from labkit.parallel import fsdp_units as H
 from labkit.parallel import guards
-from labkit.parallel.fsdp_accumulation import GradientAccumulation
-from labkit.parallel.fsdp_recompute import RecomputeAware
-from labkit.probe import Span, Spans, in_backward
+from labkit.probe import Span, Spans, count_as, in_backward
 
 
 def has_own_parameters(m: torch.nn.Module) -> bool:
@@ -76,8 +29,7 @@ def has_own_parameters(m: torch.nn.Module) -> bool:
     return any(True for _ in m.parameters(recurse=False))
 
 
-class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
-                               torch.nn.Module):
+class FullyShardedDataParallel(torch.nn.Module):
     """ZeRO-3 over the ranks of `group` (default: all). `events` holds this step's
     spans: compute per unit (between hooks), all-gather issue→done, reduce-scatter
     issue→done. `units` names the wrapped modules, in forward order.
@@ -141,7 +93,8 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
         self._stack: list[H.Unit] = []  # units whose forward is running
         self._pending = False  # backward ran; finish not yet called
         self._backward = guards.Backward(self, "_backward_ended")
-        self._start_holding()  # set_requires_gradient_sync: fsdp_accumulation
+        self._sync = True  # each backward reduce-scatters (set_requires_gradient_sync)
+        self._held: dict[H.Sharded, torch.Tensor] = {}  # whole fp32 gradients, sync off
         ref = weakref.ref(self)  # hooks must not keep this wrapper alive
         handles = []
         for u in self.sharded_units:
@@ -197,6 +150,22 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
                     "before optimizer.step(): this rank's shard gradients are not yet "
                     f"reduce-scattered over the {self.world_size} ranks")
         return None
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """False: the next backwards keep each unit's whole gradient (fp32,
+        summed across backwards) and send nothing; True (the default): each
+        backward reduce-scatters, the held sums included. finish sends what is
+        still held. Every rank must set the same."""
+        self._sync = bool(requires)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """`with fsdp.no_sync(): loss.backward()`: that backward sends nothing."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
@@ -270,7 +239,67 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
             if nxt is not None:
                 H.issue_gather(nxt, self.group)
 
+    def _pre_forward(self, u: H.Unit, module, args, kwargs):
+        recompute = in_backward()  # activation checkpointing
+        self._spans.lap(f"{'recompute' if recompute else 'forward'} {u.name}")
+        if u not in self._order:
+            self._order.append(u)
+        self._gather(u)
+        later = self._order[self._order.index(u) + 1:]
+        if recompute:  # the units after it in forward order that backward needs
+            self._prefetch(v for v in later if not v.began and not v.reduced)
+        else:
+            u.ran = True
+            self._stack.append(u)
+            self._prefetch(v for v in later if not v.ran)
+        self._spans.resume()
+        if self.compute_dtype is not None:
+            args, kwargs = (H.cast_floating(args, self.compute_dtype),
+                            H.cast_floating(kwargs, self.compute_dtype))
+        if torch.is_grad_enabled():  # its backward is over once its inputs' is
+            args, kwargs = H.after_backward(args, kwargs,
+                                            self._hook("_post_backward", u))
+        return args, kwargs
+
+    def _post_forward(self, u: H.Unit, module, args, out):
+        self._spans.lap()
+        if in_backward():
+            # a recompute: its backward follows, so it stays gathered until that
+            # is over (a non-reentrant recompute that stops early never gets here)
+            self._spans.rename("backward")
+        else:
+            self._stack.remove(u)
+            self._release(u)
+            self._spans.rename(f"forward {self._stack[-1].name}" if self._stack
+                               else "(outside units)")
+        if torch.is_grad_enabled():  # its output's gradient: its backward is next
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._hook("_pre_backward", u))
+        self._spans.resume()
+
     # -- backward ----------------------------------------------------------------
+
+    def _backward_started(self, _=None, grad=None) -> None:
+        """Called by every backward hook; acts once per backward. A reentrant
+        checkpoint runs a backward (a new graph task) inside ours: part of it."""
+        if self._backward.seen() or not self._backward.enter():  # inside ours
+            return
+        self._pending = True
+        for u in self.sharded_units:
+            u.began, u.got, u.reduced = False, set(), False
+        self._spans.start("backward")
+
+    def _backward_ended(self) -> None:
+        """The outermost graph task ended: send and free what is still due."""
+        self._spans.stop()
+        for u in self.sharded_units:  # a unit whose backward never said it was over
+            if any(p.leaf.grad is not None for p in u.trainable):
+                self._reduce(u)
+            H.wait_gather(u, self._spans)
+            if u.state == "full":
+                self._release(u)
+
 
     def _pre_backward(self, u: H.Unit, grad):
         self._backward_started()
@@ -295,6 +324,53 @@ class FullyShardedDataParallel(GradientAccumulation, RecomputeAware,
             H.wait_gather(u, self._spans)
             self._release(u)
         self._spans.resume()
+
+    def _grad_ready(self, u: H.Unit, leaf) -> None:
+        """A gradient of `u` is in (post-accumulate-grad): with sync off, hold it;
+        once the unit has every one, send them."""
+        self._spans.lap()
+        u.got.add(id(leaf))
+        if not self._sync:  # hold it, whole, in fp32: sent in a later backward
+            p = next(p for p in u.trainable if p.leaf is leaf)
+            with torch.no_grad():
+                if p in self._held:
+                    self._held[p].add_(leaf.grad)
+                else:
+                    self._held[p] = leaf.grad.to(torch.float32)
+            count_as(self._held[p], "Gradient")
+            leaf.grad = None
+        if len(u.got) == len(u.trainable):  # every one: send them now
+            self._reduce(u)
+            if len(u.trainable) == len(u.params):  # no frozen one still needed
+                self._release(u)  # before the reduce-scatter allocates: a lower
+        self._spans.resume()  # peak
+
+    @torch.no_grad()
+    def _reduce(self, u: H.Unit, force: bool = False) -> None:
+        """Reduce-scatter the gradients `u`'s parameters have, with what was held
+        for them (each rank has the same ones, in the same order: see fsdp.py's
+        docstring); with sync off, nothing (finish: force)."""
+        u.reduced = True
+        if not (self._sync or force):
+            return
+        for p in u.trainable:  # the held sum and this backward's, as one
+            held = self._held.pop(p, None)
+            if held is not None:
+                if p.leaf.grad is not None:
+                    held.add_(p.leaf.grad)
+                p.leaf.grad = held.to(p.full.dtype)  # on the wire as forward's
+        send = [p for p in u.trainable if p.leaf.grad is not None]
+        if not send:
+            return
+        self._fold()  # at most one unit's reduce-scatter in flight
+        self._reductions = H.launch_reduce(send, self.group, self.world_size,
+                                           u.name)
+
+    def _send_held(self) -> None:
+        """finish: send what set_requires_gradient_sync(False) still holds."""
+        for u in self.sharded_units:  # unit order: the same on every rank
+            if any(p in self._held for p in u.trainable):
+                self._reduce(u, force=True)
 
     def _fold(self) -> None:
         for r in self._reductions:

@@ -7,7 +7,7 @@ reduce-scatter, takes uneven splits, and can run asynchronously; each rank then
 sums the N chunks it received, in rank order, so every rank's sum is computed the
 same way. The traffic ledger lists it as all_to_all. Tensor parallelism
 (tensor_parallel_mappings.py), ZeRO's buckets (zero_buckets.py) and FSDP's
-gradients (fsdp_hooks.py) all reduce-scatter through these two functions.
+gradients (fsdp_units.py) all reduce-scatter through these two functions.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
-"""FSDP's pieces (fsdp.py's helper): a sharded parameter, a unit (the parameters a
-wrapped module gathers together), the all-gather and the reduce-scatter, and the
-signal that a unit's backward is over (`after_backward`).
+"""FSDP's parts, as plain data and functions with explicit arguments: a sharded
+parameter, a unit (the parameters a wrapped module gathers together), the unit's
+all-gather and reduce-scatter, and `after_backward`, which tells when a unit's
+backward is over. Imports torch, labkit.probe and parallel.reduce_scatter.
 
-The gathered parameter is a tensor `leaf` whose storage is freed by resizing it
-to 0 bytes and refilled before backward: autograd saved views of `leaf` in forward
-(a Linear saves weight.t()), and those views see the refilled storage. Writes go
-through `full`, a second tensor on the same storage with its own version counter,
-so autograd's "modified by an inplace operation" check never fires.
-
-One collective per unit, as FSDP2: the all-gather moves a flat buffer of N x S
-elements (S = the sum of the unit's s over its parameters), rank r's chunk being
-its shards one after the other; after it, each parameter's (N, s) slice of the
-(N, S) view is copied into its `full` and the flat buffer is freed, so the unit
-is held once. The bytes are those of one all-gather per parameter, concatenated.
-
-Reduce-scatter is an all-to-all and a local sum, as in zero_buckets.py: gloo's
-own reduce_scatter sends all-reduce bytes. One all-to-all per unit carries the
-gradients it has: an (N, S) buffer whose row i is rank i's piece of each one,
-zero-padded to N*s (torch._chunk_cat). The sum runs in fp32 on the receiver,
-so a bf16 gradient crosses the wire in bf16 and is still summed in fp32.
+The gathered parameter's storage is freed by resizing it to 0 bytes and refilled
+before backward: autograd saved views of it in forward, and those views see the
+refilled storage (docs/design.md: FSDP).
 """
 
 from __future__ import annotations
