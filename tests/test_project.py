@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.cli.nbclean import clean, dirty_cells, slide_type
+from labkit.cli.nbclean import as_saved, clean, dirty_cells, kernelspec, slide_type
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -27,6 +27,31 @@ def test_there_are_chapters():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebooks_are_committed_clean(path):
     assert dirty_cells(path) == [], f"{path.name}: run `make clean-notebooks`"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_chapters_are_written_as_jupyterlab_saves_them(path):
+    """A save in JupyterLab changes nothing (tests/browser/test_save.py saves
+    chapters in a real one): the text is nbformat's, cells have ids (4.5), and the
+    metadata has what the kernel tells JupyterLab when it opens the notebook."""
+    from ipykernel.ipkernel import IPythonKernel
+
+    text = path.read_text(encoding="utf-8")
+    nb = json.loads(text)
+    assert text == as_saved(nb), (
+        f"{path.name}: not as JupyterLab writes it (nbformat: keys sorted, one "
+        "space a level); run `make clean-notebooks`")
+    assert (nb["nbformat"], nb["nbformat_minor"]) == (4, 5), (
+        f"{path.name}: nbformat {nb['nbformat']}.{nb['nbformat_minor']}, want 4.5")
+    missing = [i for i, c in enumerate(nb["cells"]) if not c.get("id")]
+    assert not missing, f"{path.name}: cells without an id: {missing}"
+    meta = nb["metadata"]
+    assert meta["kernelspec"] == kernelspec(), (
+        f"{path.name}: kernelspec {meta['kernelspec']}, JupyterLab writes "
+        f"{kernelspec()}; run `make clean-notebooks`")
+    lacking = set(IPythonKernel.language_info) - set(meta["language_info"])
+    assert not lacking, (f"{path.name}: language_info lacks {sorted(lacking)}, "
+                         "which JupyterLab adds; run `make clean-notebooks`")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -17,6 +17,7 @@ import re
 import shutil
 from pathlib import Path
 
+from labkit.cli.nbclean import as_saved
 from labkit.cli.student import (
     EXERCISE,
     ROOT,
@@ -141,7 +142,8 @@ def assignment(nb: dict, name: str) -> dict:
         i += 1
     first_code = next(j for j, c in enumerate(out) if c["cell_type"] == "code")
     out.insert(first_code, _nbgrader({"cell_type": "code", "execution_count": None,
-                                      "metadata": {}, "outputs": [], "source": GRADED},
+                                      "id": "labkit-graded", "metadata": {},
+                                      "outputs": [], "source": GRADED},
                                      "graded", locked=True))
     return with_cells(nb, out)
 
@@ -193,7 +195,7 @@ def build(out: Path = ROOT / "dist" / "nbgrader", notebooks: Path = ROOT / "note
                     (folder / "images").mkdir(exist_ok=True)
                     shutil.copy2(Path(images) / image, folder / "images" / image)
         dest = folder / p.name
-        dest.write_text(json.dumps(book, indent=1, ensure_ascii=False) + "\n",
+        dest.write_text(as_saved(book),
                         encoding="utf-8")
         written.append(dest)
     return written

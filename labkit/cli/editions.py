@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from labkit.cli import atomic
+from labkit.cli.nbclean import as_saved
 from labkit.cli.deck_layout import (
     deck_slide_types,
     split_at_headings,
@@ -95,8 +96,7 @@ def write(executed: Path, out: Path, edition: str, *,
             c.setdefault("metadata", {})["slideshow"] = {
                 "slide_type": "skip" if label else kind}
         target = out / path.name
-        atomic.write_text(target, json.dumps(nb, indent=1, ensure_ascii=False)
-                          + "\n")
+        atomic.write_text(target, as_saved(nb))
         written.append(target)
     return written
 

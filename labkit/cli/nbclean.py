@@ -1,4 +1,6 @@
-"""Notebooks are committed clean: no outputs, no execution counts."""
+"""Notebooks are committed clean (no outputs, no execution counts) and written as
+JupyterLab saves them, so a save in JupyterLab changes nothing: `as_saved`.
+Imports nbformat and ipykernel (the kernel's language_info)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,31 @@ from pathlib import Path
 
 # markdown a chapter means for the speaker, not the screen (reveal.js's notes)
 NOTES = "notes"
+
+
+def as_saved(nb: dict) -> str:
+    """The text JupyterLab's server writes for `nb`: nbformat's (keys sorted, one
+    space a level, each source a list of lines), ending in a newline."""
+    import nbformat
+
+    return nbformat.writes(nbformat.from_dict(nb)) + "\n"
+
+
+def language_info(meta: dict) -> dict:
+    """`meta`'s language_info completed with the fields the kernel reports when
+    JupyterLab opens the notebook (an existing Python version is kept)."""
+    from ipykernel.ipkernel import IPythonKernel
+
+    return {**IPythonKernel.language_info, **meta.get("language_info", {})}
+
+
+def kernelspec() -> dict:
+    """The kernelspec JupyterLab writes for ipykernel's Python kernel."""
+    from ipykernel.kernelspec import KERNEL_NAME, get_kernel_dict
+
+    spec = get_kernel_dict()
+    return {"display_name": spec["display_name"], "language": spec["language"],
+            "name": KERNEL_NAME}
 
 
 def dirty_cells(path: str | Path) -> list[int]:
@@ -31,7 +58,10 @@ def clean(path: str | Path) -> bool:
             c["outputs"] = []
             c["execution_count"] = None
         c.get("metadata", {}).pop("execution", None)
-    new = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+    meta = nb.setdefault("metadata", {})
+    meta["language_info"] = language_info(meta)
+    meta["kernelspec"] = kernelspec()
+    new = as_saved(nb)
     if new != text:
         path.write_text(new, encoding="utf-8")
         return True
@@ -96,7 +126,7 @@ def mark_slides(path: str | Path) -> bool:
         c.setdefault("metadata", {})["slideshow"] = {"slide_type": slide_type(c)}
     meta = nb.setdefault("metadata", {})
     meta["rise"] = {**meta.get("rise", {}), "scroll": True}
-    new = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+    new = as_saved(nb)
     if new != text:
         path.write_text(new, encoding="utf-8")
         return True

@@ -29,7 +29,7 @@ from labkit.cli import (
     search_text,
     student,
 )
-from labkit.cli.nbclean import NOTES
+from labkit.cli.nbclean import NOTES, as_saved
 
 ROOT = Path(__file__).resolve().parents[2]
 MATHJAX = "mathjax/MathJax.js?config=TeX-AMS_CHTML-full,Safe"  # under _static/
@@ -373,7 +373,7 @@ def notes_as_asides(path: Path) -> None:
             text = re.sub(r"^\*Speaker notes\.?\*\s*", "", text)
             c["source"] = (f"````{{admonition}} Speaker notes\n:class: "
                            f"labkit-notes\n{text}\n````")
-    atomic.write_text(path, json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    atomic.write_text(path, as_saved(nb))
 
 
 def write_project(executed: Path, src: Path, vendor: Path,

@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from labkit.cli import atomic
+from labkit.cli.nbclean import as_saved
 
 ROOT = Path(__file__).resolve().parents[2]
 EXERCISE, SOLUTION, RAISES = "exercise", "solution", "raises-exception"
@@ -152,8 +153,7 @@ def build(notebooks: Path = ROOT / "notebooks", out: Path = ROOT / "dist" / "stu
     if problems:
         raise ValueError("the exercise layout is broken:\n  " + "\n  ".join(problems))
     out = Path(out)
-    texts = {p.name: json.dumps(student_notebook(nb), indent=1, ensure_ascii=False)
-             + "\n" for p, nb in books.items()}
+    texts = {p.name: as_saved(student_notebook(nb)) for p, nb in books.items()}
     record = _record(out)
     taken = [out / name for name, text in texts.items() if (out / name).exists()
              and not _ours(out / name, record) and (out / name).read_text(
