@@ -1,7 +1,7 @@
 """Layer 2, measurement: what a rank holds and sends, the memory and traffic ledgers.
 
 Imports torch, labkit.runtime (to tell a status request which collective a rank
-is in), labkit.conventions and labkit.units; nothing above it.
+is in), labkit.probe, labkit.conventions and labkit.units; nothing above it.
 
 `traffic()` records every collective a rank makes; `memory(...)` tracks the bytes a
 process holds by category (`steps`: one entry per optimizer step); `holdings(...)`
@@ -34,5 +34,6 @@ __all__ = ["MEMORY_CATEGORIES", "MODEL_STATES", "Holdings", "MemoryLedger", "Rec
 __all__ += ["Ledger", "by_group", "forward_activations", "in_backward", "recording",
             "union"]
 
-# ranks forked from now on start with the ledger imported (DTensor: ~2 s each)
+# ranks forked from now on start with the ledger imported (it pulls in DTensor,
+# slow to import: `python -X importtime` shows how slow)
 _forkserver.preload_when_idle(__name__)

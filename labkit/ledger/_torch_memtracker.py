@@ -1,15 +1,11 @@
 """Every use the memory ledger makes of PyTorch's private API, in one place, behind
 a version check: MemTracker (torch.distributed._tools.mem_tracker) subclassed so
-that every change reaches the ledger, and the test for a tensor subclass that
-wraps others (torch.utils._python_dispatch). Tested with TESTED_TORCH (the
-project pins torch 2.13.0); on another release `check_torch_version` warns, and a
-MemTracker whose private parts moved fails here with one clear error.
+that every change reaches the ledger, and the test for a tensor subclass that wraps
+others (torch.utils._python_dispatch).
 
-What the subclass adds: every change reported to the ledger, with its category
-as a plain string; re-tagging a storage's category; a fresh forward of the root
-module (the next step) without MemTracker's complaint; and a gradient another
-hook already took is skipped, not warned about. The ledger holds a storage's
-record (a "winfo") only as a key; `nbytes` and `category_of` read it.
+Imports torch and labkit.conventions. Tested with TESTED_TORCH (the project pins
+torch 2.13.0); on another release `check_torch_version` warns, and a MemTracker
+whose private parts moved fails here with one clear error.
 """
 
 from __future__ import annotations
@@ -50,7 +46,7 @@ def category_of(winfo) -> str:
 
 def tracker_class():
     """MemTracker, subclassed to report every change to the ledger. Imported on
-    first use: it pulls in DTensor (about 2 s)."""
+    first use: it pulls in DTensor, which is slow to import."""
     global _TRACKER
     if _TRACKER is not None:
         return _TRACKER
@@ -74,6 +70,11 @@ def tracker_class():
             f"{tuple(sorted(found))}. Install the pinned torch (requirements.lock)")
 
     class _Tracker(MemTracker):
+        """Adds: every change reported to the ledger, its category a plain
+        string; re-tagging a storage's category; a fresh forward of the root
+        module without MemTracker's complaint; a gradient another hook already
+        took skipped. The ledger holds a winfo only as a key (nbytes, category_of)."""
+
         def __init__(self, ledger):  # the MemoryLedger it reports to
             super().__init__()
             self.ledger = ledger

@@ -19,9 +19,8 @@ def forward_activations(layer: nn.Module, make_input) -> int:
     the output (the next layer's input). Runs the backward, to free them.
 
     gloo's worker thread lets go of a collective's buffers a moment after the call
-    returns (measured: 2 x [s, b, h] still held right after about one forward in
-    seven, gone 20 ms later), so the count is read once it has stayed the same
-    for 100 ms."""
+    returns (now and then still held right after a forward), so the count is read
+    once it has stayed the same for 100 ms."""
     with memory(layer) as m:
         x = make_input()
         out = layer(x)

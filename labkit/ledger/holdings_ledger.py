@@ -34,7 +34,7 @@ class Holdings:
 
 
 def is_dtensor(t) -> bool:
-    """Without importing DTensor (about 2 s) when nothing has made one yet."""
+    """Without importing DTensor (slow) when nothing has made one yet."""
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(t, mod.DTensor)
 

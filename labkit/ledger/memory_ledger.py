@@ -5,42 +5,9 @@
             model(x).sum().backward(); optimizer.step(); optimizer.zero_grad()
     m.current["Optstate"], m.peak["Activation"], m.at_peak, m.steps[0].peak
 
-Built on PyTorch's own MemTracker (torch.distributed._tools.mem_tracker, tested with
-torch 2.13; every private call is in _torch_memtracker.py), which sees every tensor
-storage created inside the block through a TorchDispatchMode, and uses its
-categories: Parameter, Buffer, Gradient, Activation, Temp, Optstate (and Other).
-Refinements on top of it:
-
-- tensors created inside `optimizer.step()` count as Temp unless they survive the
-  step; survivors become Optstate (Adam's m and v) or Gradient (a `.grad` that
-  stays). The peaks inside the step are recomputed with those final categories
-  (memory_steps.py).
-- parameters the optimizer owns that are not the model's (fp32 master weights in
-  mixed precision) count as Optstate, as in the ZeRO paper's K = 12 bytes/param.
-- any number of training steps fit in one block. `steps` has a `Step` per
-  outermost `optimizer.step()`, from the end of the previous one (or the start)
-  to its end; what follows the last one is in `current` and `peak`, no step.
-- a DTensor (FSDP2, tensor parallelism) counts as the local shard this rank holds
-  (`local_shards` says so), padding included where FSDP2 pads uneven shards.
-- a `.grad` assigned by hand (a hand-made all-reduce) counts as Gradient from the
-  next `optimizer.step()` or the end of the block (before: as it was created).
-- one rule for gradients, which every labkit wrapper follows (telling the ledger
-  with `count_as`): Gradient is the gradient a rank keeps between backward and
-  the optimizer step, each value once: a `.grad`, or what a wrapper keeps in its
-  place (ZeRO-2's averaged slice, FSDP's shard `.grad` and the whole gradients
-  it holds under no_sync). Copies made only to move gradients (a packed bucket,
-  a collective's send and receive buffers) are Temp: the ZeRO paper's temporary
-  buffers, residual state, not model state (Rajbhandari et al. 2020, sec. 6.3).
-  So is what is made and used inside optimizer.step() (ZeRO-1's averaged slice).
-  PyTorch's DDP packs into buckets the ledger cannot tell from activations;
-  with gradient_as_bucket_view=True each `.grad` is a view of its bucket, and
-  the bucket is the gradient.
-- host memory (ZeRO-Offload's optimizer state) is kept apart, in `host` and
-  `host_peak`, never in the device categories: storages created inside `on_host()`,
-  tensors passed to `count_as(t, category, host=True)`, and what a tracked object's
-  `host_resident()` returns ({category: tensors}). On a CPU-only machine host and
-  device are one memory; the ledger still counts where the code means them to be
-  (memory_host.py).
+Imports torch and labkit.ledger's own modules. Built on PyTorch's MemTracker (every
+private call in _torch_memtracker.py): Gradient is what a rank keeps from backward
+to the optimizer step, each value once; buffers made only to move it are Temp.
 """
 
 from __future__ import annotations
@@ -161,6 +128,8 @@ class MemoryLedger(HostMemory, OptimizerSteps, Ledger):
         self._release()
 
     def _track_master_weights(self, opt: torch.optim.Optimizer) -> None:
+        """Parameters the optimizer owns that are not the model's (fp32 master
+        weights) are Optstate, as in the ZeRO paper's K = 12 bytes/param."""
         model_params = {id(p) for m in self._tracked if isinstance(m, torch.nn.Module)
                         for p in m.parameters()}
         for group in opt.param_groups:

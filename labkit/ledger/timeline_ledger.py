@@ -4,19 +4,9 @@
         step()
     overlap_fraction(tl.spans)
 
-The timeline ledger times every operator a rank runs, without changing when
-anything runs (unlike the traffic ledger, it never waits for a collective). An
-operator is compute, timed from its call to its return, with neighbours less than
-`gap` apart merged into one span; a collective is communication, from its issue to
-the moment gloo (or NCCL) completes it: a future's callback where the backend gives
-one, else a watcher thread that polls the work every 0.2 ms (gloo's reduce-scatter),
-or the functional collective's `wait_tensor`.
-
-A `Span` is plain data (times are this rank's time.perf_counter(), CLOCK_MONOTONIC
-on Linux, so spans from ranks on one machine share a clock). `overlap_fraction`
-is Holistic Trace Analysis's comm/compute overlap (github.com/facebookresearch/
-HolisticTraceAnalysis, "Comm Comp Overlap"): the time in which communication and
-computation both run, over the total time communication runs.
+Imports torch, labkit.probe and labkit.ledger's common and c10d_calls. It times
+every operator a rank runs without changing when anything runs: unlike the traffic
+ledger, it never waits for a collective.
 """
 
 from __future__ import annotations
@@ -54,7 +44,8 @@ def _intersect(xs, ys) -> float:
 
 
 def overlap_fraction(events) -> float:
-    """Share of communication time during which compute also ran (0 ... 1).
+    """Share of communication time during which compute also ran (0 ... 1):
+    Holistic Trace Analysis's "Comm Comp Overlap".
 
     Overlapping collectives count once (the union of comm spans), as do
     overlapping compute spans. 0.0 when there is no communication at all.
@@ -169,13 +160,14 @@ class TimelineLedger(Ledger, TorchDispatchMode):
             return
         try:
             work.get_future().add_done_callback(lambda _: self._finish(record))
-        except RuntimeError:  # no future on this backend's op: watch it
+        except RuntimeError:  # no future on this backend's op (gloo's
+            # reduce-scatter): the watcher thread polls it every POLL_S
             with self._lock:
                 self._watched.append((record, work))
 
     # -- compute ------------------------------------------------------------------
 
-    def _computed(self, t0: float, t1: float) -> None:
+    def _computed(self, t0: float, t1: float) -> None:  # neighbours < gap: one span
         name = self._current_phase()
         o = self._open
         if o is not None and o[0] == name and t0 - o[2] <= self._gap:

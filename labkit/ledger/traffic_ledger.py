@@ -4,15 +4,9 @@
         dist.all_reduce(x)
     t.records[0].wire_bytes      # bytes this rank really wrote to its sockets
 
-A TorchDispatchMode sees the c10d and functional-collective ops, including those
-PyTorch issues itself (DDP's bucket all-reduce, FSDP2's all-gathers). For each call
-it records the payload S and bus bytes by the nccl-tests convention
-(github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md), and, on Linux with CPU tensors,
-the bytes the process wrote while the call ran (`wchar` in /proc/self/io). To give
-each call its own bytes, the ledger waits for every collective before the next one
-starts: inside it, async collectives run synchronously (no overlap). Point-to-point
-send/recv are not waited for (a ring's isend would wait for a recv its peer has not
-posted yet): their bytes are in `written`, every byte the rank wrote in the block.
+Imports torch, labkit.runtime, labkit.conventions, labkit.units and labkit.ledger's
+common and c10d_calls. To give each call its own bytes it waits for every
+collective before the next starts: inside it, async collectives run synchronously.
 """
 
 from __future__ import annotations
@@ -51,7 +45,7 @@ class Record:
     dtype: str
     elements: int  # elements in the payload S
     payload_bytes: int  # S, nccl-tests convention (whole array for gather/scatter)
-    bus_bytes: float  # S * bus factor; an all-to-all: S less its own chunk
+    bus_bytes: float  # S * nccl-tests' bus factor; an all-to-all: S less its own chunk
     wire_bytes: int | None  # written to sockets during the call; None: unknown
     seconds: float  # until the call finished (complete) or was only issued (not)
     start: float  # time.perf_counter() (CLOCK_MONOTONIC: one clock for all ranks)
@@ -71,7 +65,9 @@ class Record:
 
 
 class TrafficLedger(Ledger, TorchDispatchMode):
-    """Records every collective made inside it; see `traffic()`."""
+    """Records every collective made inside it; see `traffic()`. A
+    TorchDispatchMode: it also sees the calls PyTorch makes itself (DDP's bucket
+    all-reduces, FSDP2's all-gathers)."""
 
     kind = "traffic"
     fields = ("records", "rank", "start", "stop", "written")  # what pickles

@@ -1,34 +1,13 @@
 """Context parallelism (上下文并行) by all-gathering keys and values, as Llama 3
-trained at 128K tokens (Llama Team 2024, "The Llama 3 Herd of Models", sec.
-3.3.2, "Context parallelism for long sequences"): every rank holds the queries,
-keys and values of its own rows of the sequence, all-gathers the keys and values
-of the whole sequence, and attends its own query rows to all of them.
+trained at 128K tokens (Llama Team 2024, sec. 3.3.2): every rank all-gathers the
+whole sequence's keys and values and attends its own query rows to all of them.
 
     q, k, v = (shard_balanced(t, group) for t in (q, k, v))  # (b, a, s/N, d)
     out = allgather_attention(q, k, v, group, causal=True)  # this rank's rows
 
-Layout: ring_attention's, (..., a, s/N, d) on every rank (batch, heads, this
-rank's rows, head dim), rows in the order the rank holds them.
-
-Causal load balancing (sec. 3.3.2): with contiguous chunks, rank r's queries see
-r + 1 chunks of keys, and the last rank does up to 2N - 1 times the first's work
-(that ratio for long chunks; `causal_work` counts it: 6.3x at s = 32, N = 4).
-Llama 3 cuts the sequence into 2N chunks and gives rank r chunks r and 2N-1-r,
-an early one and a late one, so every rank's causal work is the same
-(`balanced_rows`). The mask is built from the rows' positions in the sequence,
-so any order of rows, or a document mask, is the same code: the paper's first
-reason for the all-gather over a ring.
-
-Backward: the adjoint of an all-gather is a reduce-scatter. Each rank's local
-attention gives gradients for the keys and values of the whole sequence (its
-queries' share of them); rank j's rows of those are summed over the ranks and
-land on rank j. The reduce-scatter is reduce_scatter.py's all-to-all and local
-sum (gloo's own sends all-reduce bytes), so the traffic ledger lists it as
-all_to_all. Per rank and layer: forward (N-1)/N of the gathered K and V,
-backward (N-1)/N of their gradients (theory.context_parallel).
-
-The gathered keys and values of the whole sequence stay in memory for backward
-(Llama 3 relies on GQA keeping them small: 8 KV heads for 128 query heads).
+Imports labkit.parallel's models and reduce_scatter. The mask is built from each
+row's position in the sequence, so Llama 3's balanced layout (chunks r and 2N-1-r
+of 2N) and ring attention's contiguous one are the same code.
 """
 
 from __future__ import annotations
@@ -99,6 +78,7 @@ class _GatherRows(torch.autograd.Function):
     def backward(ctx, grad):  # (N, m, ...): this rank's share of every rank's rows
         n, shape = ctx.n, grad.shape[1:]
         # row block j goes to rank j; each rank adds the N shares of its own rows
+        # (reduce_scatter.py's all-to-all: the traffic ledger lists it as all_to_all)
         got, _ = send_chunks(grad.reshape(n * shape[0], *shape[1:]), ctx.group)
         return sum_chunks(got, n), None  # (m, ...)
 
@@ -127,6 +107,7 @@ def allgather_attention(q, k, v, group=None, causal: bool = False,
     n, r = dist.get_world_size(group), dist.get_rank(group)
     s = n * q.shape[-2]
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    # the whole sequence's K and V stay held for backward (GQA keeps them small)
     every = _GatherRows.apply(torch.stack([k, v]), group)  # (N, 2, ..., c, d)
     kv = every.movedim(0, -3).flatten(-3, -2)  # (2, ..., s, d): rank 0's rows first
     k_pos = torch.cat([rows_of(s, n, j, balanced) for j in range(n)])  # (s,)

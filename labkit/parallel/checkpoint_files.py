@@ -2,7 +2,7 @@
 whole state as a plain state_dict (`load_full_state_dict`), what each file holds
 (`checkpoint_bytes`), and the helpers sharded_checkpoint.py saves and loads with.
 DCP writes one file per rank (__r_0.distcp) and .metadata, each tensor chunk in
-torch.save's container (about 1.5 kB of zip framing around the elements).
+torch.save's container (`checkpoint_bytes` tells the framing from the elements).
 
 A save goes to DIR.saving beside DIR; DCP's coordinator, once every rank has
 written, adds COMPLETE (each file's size) and renames it to DIR (an old DIR goes

@@ -1,24 +1,13 @@
-"""Activation checkpointing (激活重计算; Chen et al. 2016, "Training Deep Nets
-with Sublinear Memory Cost"; ZeRO-R's partitioned checkpoints build on it): a
-checkpointed block keeps only its input in forward and runs its forward again in
-backward to rebuild what its backward needs. Placement semantics calls such
-activations Materialized: made when needed, never kept.
+"""Activation checkpointing (激活重计算; Chen et al. 2016), as
+torch.utils.checkpoint.checkpoint with use_reentrant=False: a checkpointed block
+keeps only its input in forward and runs its forward again in backward.
 
     model = checkpoint(nn.Sequential(*layers), every=2)  # blocks of 2 layers
     Checkpointed(block)  # one module
 
-Memory: a stack of L layers in blocks of k keeps L/k block inputs plus, while one
-block is rebuilt in backward, that block's k layers' activations: about L/k + k
-layers' worth (least at k = sqrt(L), Chen et al. sec. 4), not L/k. Compute: each
-checkpointed block's forward runs again in backward, so backward costs up to one
-more forward of the checkpointed part (2F + F for everything checkpointed, F =
-forward). Up to: with use_reentrant=False the recompute stops once it has rebuilt
-what backward needs, so a block's trailing ops whose outputs backward does not
-use are skipped (chapter 07 measures 3 of a block's 4 layers re-run).
-
-Built on torch.utils.checkpoint with use_reentrant=False (PyTorch's recommended
-mode: works with inputs that need no grad, keyword arguments and autograd hooks);
-the random state is restored for the recompute, so dropout draws the same mask.
+Imports torch and labkit.arguments. The recompute stops once it has rebuilt what
+backward needs, so a block's trailing ops whose outputs backward never reads are
+not run again.
 """
 
 from __future__ import annotations
@@ -45,6 +34,8 @@ class Checkpointed(nn.Module):
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():  # nothing to save: a plain forward
             return self.module(*args, **kwargs)
+        # non-reentrant: inputs that need no grad, keyword arguments and autograd
+        # hooks all work; the random state is restored, so dropout draws alike
         return _torch_checkpoint(self.module, *args, use_reentrant=False, **kwargs)
 
 

@@ -1,47 +1,13 @@
-"""Data parallelism (数据并行): every rank holds the whole model, runs its share of
-the batch, and the ranks average their gradients before the optimizer step.
-
-`mode` picks how the gradients meet:
-- "overlap" (default; PyTorch DDP's design, Li et al. 2020, "PyTorch Distributed",
-  VLDB, section 3.2): a gradient's all-reduce starts, asynchronously, once backward
-  has produced it (with `bucket_mb`: once its whole bucket is ready), so
-  communication runs while backward computes the rest.
-- "naive": backward first; then one all-reduce per gradient (or per bucket).
-- "parameter_server" (Li et al. 2014, OSDI): every worker sends its gradients to
-  rank 0, the server, which averages them and steps, then sends the new weights
-  to each worker. A star: the server's link carries (N-1)x a worker's bytes.
-
-The loop, the same on every rank, each on its own shard of the batch:
+"""Data parallelism (数据并行), torch.nn.parallel.DistributedDataParallel's algorithm:
+every rank holds the whole model, runs its share of the batch, and the ranks
+average their gradients before the optimizer step.
 
     dp = DataParallel(model)                # rank 0's weights on every rank
     loss_fn(dp(x), y).backward()            # overlap: all-reduces start here
-    dp.finish_gradient_synchronization()    # wait and average
-    opt.step()
+    dp.finish_gradient_synchronization(); opt.step()    # wait and average; step
 
-In parameter_server mode the last line is `if rank == 0: opt.step()`, and every
-rank then calls `dp.broadcast_parameters()` (the server's weights to each worker).
-
-Gradient accumulation (梯度累积), k micro-batches a step, as with DDP's `no_sync`
-(any mode; in parameter_server mode the workers' sums go to the server once):
-
-    for x, y in micro_batches[:-1]:         # k - 1 of them
-        with dp.no_sync():                  # this rank's gradients add up in .grad
-            (loss_fn(dp(x), y) / k).backward()
-    x, y = micro_batches[-1]
-    (loss_fn(dp(x), y) / k).backward()      # overlap: the sums' all-reduces start
-    dp.finish_gradient_synchronization()
-    opt.step()
-
-One all-reduce a step instead of k, in the same gradient memory: no_sync() only
-leaves out the sends.
-
-Every rank must use the same parameters in a step (as DDP requires): a branch
-taken on some ranks only is refused, naming the parameters and ranks, while a
-parameter no rank used is fine (its .grad stays as it was). Buckets go out in
-order, every one on every rank (a gradient this rank did not make is sent as
-zeros), so the collectives pair up whatever each rank used; then one all-gather
-of a bitmask of the parameters each rank's backward reached, ceil(P/8) bytes a
-rank, which the traffic ledger books under the phase `CHECK_PHASE`.
+Imports labkit.parallel's guards and data_parallel_buckets, and labkit.probe. Unlike
+DDP, the average is awaited by that explicit call, not at the end of backward.
 """
 
 from __future__ import annotations
@@ -70,17 +36,25 @@ from labkit.probe import Span, Spans, completed_at, count_as, phase
 class DataParallel(torch.nn.Module):
     """Average gradients of `module` over the ranks of `group` (default: all).
 
+    torch.nn.parallel.DistributedDataParallel's algorithm (one process per rank,
+    all-reduces overlapped with backward), not torch.nn.DataParallel's
+    single-process one; unlike DDP, finish_gradient_synchronization() waits for
+    the average, buckets default to one per parameter, and a parameter no rank
+    used is allowed.
+
     Parameters and buffers are broadcast from rank 0 at construction; tied
     weights are synced once, frozen ones never. bucket_mb: None sends one
     collective per parameter; else parameters, in reverse registration order
     (about the order backward produces them), fill buckets of about bucket_mb MiB;
     first_bucket_mb caps the first one (DDP's defaults: 25 and 1).
     broadcast_buffers: send rank 0's buffers at every forward, as DDP does.
-    `events` holds this step's compute and communication spans (labkit.ledger's
+    `events` holds this step's compute and communication spans (labkit.probe's
     Span; the usage check's all-gather is not among them). `mode` is one of MODES.
     """
 
     MODES = ("overlap", "naive", "parameter_server")
+    # the traffic ledger's phase for the usage check: an all-gather of a bitmask of
+    # the parameters each rank's backward reached, ceil(P/8) bytes a rank
     CHECK_PHASE = "DataParallel: same parameters used on every rank"
 
     def __init__(self, module: torch.nn.Module, bucket_mb: float | None = None,

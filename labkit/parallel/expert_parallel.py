@@ -1,29 +1,13 @@
 """Expert parallelism: a mixture-of-experts layer whose E experts are spread over
-the ep ranks of an expert group, E/ep each, tokens travelling to their experts
-and back with two all-to-alls of uneven splits (Lepikhin et al. 2020, sec. 3.2-3.3).
+the ep ranks of an expert group, E/ep each; tokens travel to their experts and back
+in two all-to-alls of uneven splits (Lepikhin et al. 2020, sec. 3.2-3.3).
 
     layer = MoELayer(hidden=16, ffn=32, experts=8, k=2)    # one process
     ep = ExpertParallelMoE.from_moe(layer, group)          # same weights, E/ep here
     y = ep(x)              # x: this rank's tokens (..., h); ep.stats: what moved
 
-One forward on each rank, for its T tokens:
-  route     the router (expert_routing.py, replicated) picks k experts per token;
-            pairs over an expert's capacity are dropped (their output is 0).
-  dispatch  sort the (token, expert) pairs by expert, hence by the rank that holds
-            it; exchange the counts per expert first (an all-to-all of E/ep
-            integers to each rank), then the rows, rank q getting its split.
-  compute   group the received rows by local expert, run each expert.
-  combine   the reverse all-to-all (the splits swapped) brings each row home in
-            the order it left; weight by its gate and sum over the k choices.
-Backward, each all-to-all's gradient is the same exchange with the splits
-swapped. `all_to_all_rows` is our own autograd Function, like
-tensor_parallel_mappings'; torch 2.13 has one too, with uneven splits, on gloo:
-torch.distributed._functional_collectives.all_to_all_single_autograd (what
-torchtitan's ExpertParallel, a DTensor ParallelStyle, called from 2025 to May
-2026), checked equal in the tests. torch itself has no expert-parallel layer.
-
-Every expert runs on every call, on an empty batch if no row came: its gradient
-is then zeros, as in one process, and every replica's gradient has one shape.
+Imports labkit.parallel's models and expert_routing. Every expert runs on every
+call, on an empty batch if no row came, so every replica's gradient has one shape.
 """
 
 from __future__ import annotations
@@ -56,6 +40,9 @@ def _exchange(x: torch.Tensor, send: list[int], receive: list[int], group):
 
 
 class _AllToAll(torch.autograd.Function):
+    """The rows' exchange; its backward is the same exchange with the splits
+    swapped (torch's all_to_all_single_autograd does the same; the tests compare)."""
+
     @staticmethod
     def forward(ctx, x, send, receive, group):
         ctx.send, ctx.receive, ctx.group = send, receive, group
@@ -223,6 +210,10 @@ class MoEStats:
 class MoELayer(nn.Module):
     """A mixture-of-experts layer in one process: a Router and E Experts.
 
+    torch has no MoE layer; this is Mixtral's sparse MoE block (a top-k gate over
+    E experts) with GShard's and Switch's capacity, its experts models.MLP (GeLU),
+    not Mixtral's SwiGLU.
+
     Returns sum_j gate_j · expert_j(x) over each token's k choices (no residual:
     add it outside; a dropped pair adds 0). capacity_factor: None keeps every
     pair; else each expert takes ceil(cf·k·T/E) pairs of the T tokens of one
@@ -252,7 +243,12 @@ class ExpertParallelMoE(nn.Module):
     """An MoELayer with its experts spread over the ranks of `group`: the router
     whole on every rank, experts [r·E/ep, (r+1)·E/ep) on rank r. Build it with
     `from_moe`. ranks_per_node: how many consecutive ranks of the group share a
-    node, for stats' cross-node counts (None: all of them)."""
+    node, for stats' cross-node counts (None: all of them).
+
+    torch itself has no expert-parallel layer; this does what torchtitan's
+    ExpertParallel (a DTensor ParallelStyle) does to an MoE module, as a module
+    of its own with its own autograd all-to-all (all_to_all_rows).
+    """
 
     def __init__(self, router: Router, experts: nn.ModuleList, num_experts: int,
                  group=None, *, capacity_factor: float | None = None,
@@ -307,6 +303,9 @@ class ExpertParallelMoE(nn.Module):
 
 
 def _moe_forward(layer, x, experts, *, group, ep: int, rank: int):
+    """Route (the replicated router; pairs over capacity dropped), dispatch
+    (counts first, then the rows, sorted by expert, hence by rank), run the
+    local experts, combine (the reverse all-to-all), weight by gate and sum."""
     shape, h = x.shape, x.shape[-1]
     x = x.reshape(-1, h)  # (..., h) -> (T, h)
     t, e = x.shape[0], layer.num_experts
@@ -349,6 +348,8 @@ def _run_experts(experts: nn.ModuleList, rows: torch.Tensor, got: torch.Tensor):
         got.reshape(-1))  # (M,)
     perm = which.argsort(stable=True)  # by local expert, sources in rank order
     chunks = rows[perm].split(got.sum(0).tolist())
+    # every expert runs, on an empty chunk if no row came: a zero gradient of
+    # its own shape, as in one process
     out = torch.cat([f(c) for f, c in zip(experts, chunks)])  # (M, h)
     return out[perm.argsort()]  # back to the order the rows came in
 

@@ -1,29 +1,13 @@
 """Mixture-of-experts routing (expert_parallel.py's helper): which experts each
 token goes to and with what weight, how many (token, expert) pairs an expert
-takes, and the two ways of keeping the experts evenly loaded.
+takes, and two ways of keeping the experts evenly loaded (Switch, DeepSeek-V3).
 
     router = Router(hidden=16, experts=8, k=2)        # Mixtral's gate
     routing = router(x)           # x (T, h): .experts (T, k), .gates (T, k)
     keep = within_capacity(routing.experts, 8, capacity(1.25, 2, T, 8))
 
-Scores and gates. A linear gate gives each token E logits. `score="softmax"`
-with `normalize=True` takes the top k of the softmax and rescales their k
-probabilities to sum to 1, which is Mixtral's Softmax(TopK(x W_g)) (Jiang et al.
-2024, sec. 2.1) and GShard's top-2 (Lepikhin et al. 2020, Algorithm 1); Switch's
-top-1 keeps the probability itself (k=1, `normalize=False`; Fedus et al. 2021,
-sec. 2.1): normalise one gate and it is 1 whatever the scores, so no gradient
-reaches the router (refused; `normalize` defaults to k > 1). DeepSeek-V3 scores
-each expert with a sigmoid and normalises the k chosen scores (`score="sigmoid"`,
-DeepSeek-AI 2024, sec. 2.1.2, eqs. 13-15; its code also multiplies the gates by a
-constant, 2.5, not done here).
-
-Balance. Switch's auxiliary loss α·E·Σ f_i·P_i (Fedus et al. 2021, eq. 4) pulls
-the router's probabilities towards the experts that get few tokens; DeepSeek-V3
-instead adds a bias b_i to the scores for the top-k choice only, never to the
-gates, and after each step moves it by γ against the expert's load (sec. 2.1.2,
-"auxiliary-loss-free load balancing"; Wang et al. 2024). Node-limited routing
-(sec. 2.1.2) sends a token to experts on at most M nodes, those whose experts'
-k/M highest scores sum highest.
+Imports torch and labkit.arguments. DeepSeek-V3's bias only picks experts: it is
+added to the scores for the top-k choice, never to the gates.
 """
 
 from __future__ import annotations
@@ -62,7 +46,10 @@ class Router(nn.Module):
     `max_nodes` of them. `bias` (a buffer, not a parameter: no gradient) is
     DeepSeek-V3's balancing bias, added to the scores to choose only.
     normalize: rescale the k chosen gates to sum to 1 (default: when k > 1);
-    refused for k = 1, where it makes every gate 1 and the router unlearnable."""
+    refused for k = 1, where it makes every gate 1 and the router unlearnable.
+    score="softmax" with normalize is Mixtral's and GShard's gate, k=1 without it
+    Switch's; score="sigmoid" is DeepSeek-V3's (whose code also scales the gates
+    by a constant, 2.5, not done here)."""
 
     SCORES = ("softmax", "sigmoid")
 

@@ -122,6 +122,9 @@ class FullyShardedDataParallel(torch.nn.Module):
         return [u.name for u in (self._order or self.sharded_units)]
 
     def forward(self, *args, **kwargs):
+        """The wrapped module's forward: each unit gathers its parameters in its
+        pre-forward hook and frees them after (the root's stay whole until its
+        backward); a unit prefetched but never run is freed at the end."""
         if not self._pending:  # a new step: forget the last one's spans
             self._spans.clear()
         if not in_backward():  # no backward of ours runs

@@ -1,37 +1,12 @@
 """The rank grid of combined parallelism: which ranks share a tensor-, context-,
-pipeline- or data-parallel group, and this rank's place in it.
+pipeline-, data- (or expert-) parallel group, and this rank's place in it.
 
     g = ParallelGroups.build(tp=2, pp=2, dp=2)      # on every rank, same arguments
     str(g)            'TP(2)-PP(2)-DP(2)-Rank(5)'    sizes, then the global rank
-    g.coords()        'tp 1/2, pp 0/2, dp 1/2'       this rank's place (coordinates)
     layer = ColumnParallelLinear(h, 4 * h, g.tp_group)
 
-Ranks are numbered with tp innermost, then cp, pp, and dp outermost, as picotron's
-process_group_manager lays out arange(world).view(dp, pp, cp, tp). Tensor-parallel
-ranks are neighbours because they talk the most, twice per layer each way: with 8
-GPUs a server they share its NVLink (Narayanan et al. 2021, sec. 3.3, takeaway #1):
-
-    rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i
-
-A group of one dimension is the ranks whose other coordinates are equal. `grid`
-lists them without any process; `ParallelGroups.build` creates one process group
-per list, every list of every dimension in the same order on every rank (each
-`dist.new_group` is a collective over the whole world, even for ranks outside
-it), and keeps the four its rank belongs to. Nothing is global: pass the object,
-or one of its groups, to whatever needs it.
-
-Expert parallelism adds no ranks: its ep ranks are data-parallel ranks (as in
-Megatron-LM's default order tp-cp-ep-dp-pp and the calculator's Layout, where ep
-must divide the data parallelism). With ep > 1 the dp coordinate splits in two,
-
-    dp_i = edp_i * ep + ep_i
-
-an expert group ("ep") is ep consecutive data-parallel ranks, which split the
-experts between them, and an expert-data-parallel group ("edp") the dp/ep ranks
-with the same ep_i, which hold replicas of the same experts: an expert's
-gradient is reduced over its edp group, a dense parameter's over the dp group.
-`grid` and `coordinates` list "ep" and "edp" after the four dimensions when
-ep > 1; with ep = 1 (the default) nothing changes.
+Imports labkit.theory. Ranks are numbered tp innermost, then cp, pp, dp outermost
+(rank = ((dp_i * pp + pp_i) * cp + cp_i) * tp + tp_i), as picotron lays them out.
 """
 
 from __future__ import annotations
@@ -40,7 +15,8 @@ from dataclasses import dataclass
 
 from labkit.theory import check_counts
 
-DIMS = ("tp", "cp", "pp", "dp")  # innermost first
+# innermost first: tensor-parallel ranks are neighbours (they talk the most)
+DIMS = ("tp", "cp", "pp", "dp")
 EXPERT_DIMS = ("ep", "edp")  # inside dp, with ep > 1: dp_i = edp_i * ep + ep_i
 
 

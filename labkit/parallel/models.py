@@ -5,24 +5,8 @@ splits, in one activation layout and with one attention.
     model = TinyGPT(vocab=64, seq=16, hidden=32, heads=4)    # (b, s) -> (b, s, V)
     loss = lm_loss(model(tokens), targets)
 
-Layout: activations are [s, b, h], sequence first, as Megatron-LM lays them out
-(so a sequence shard, Korthikanti et al. 2022 sec. 4.2.2, is a slice of dim 0);
-attention runs on the heads as (b, n, s, d), n heads of d = h/n features.
-`TinyGPT` takes token ids (b, s) and returns logits (b, s, V): its embedding
-turns the batch-first tokens sequence first once, its head turns the activations
-batch first once.
-
-Attention: one function, `attention`, written out (q kᵀ·scale, causal mask,
-softmax, dropout, ·V) rather than a fused kernel, so that autograd keeps what
-Korthikanti et al. 2022 count in table 2 (the softmax output, dropout's mask and
-output: the 5as/h term), which chapter 11 measures to the byte. SelfAttention,
-TransformerLayer (whose selective recomputation checkpoints exactly this
-function), the tensor-parallel attention and ring attention's reference all call
-it.
-
-The parallel versions build on these and live with their technique:
-tensor_parallel (ParallelMLP, ParallelSelfAttention), sequence_parallel
-(ParallelTransformerLayer), three_d (stage_layers, ThreeD).
+Imports torch and labkit.theory. Activations are [s, b, h], sequence first, as
+Megatron-LM lays them out, so a sequence shard is a slice of dim 0.
 """
 
 from __future__ import annotations
@@ -61,7 +45,10 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None,
     nothing for backward, where a masked_fill would keep its mask.
     positions: (q_pos (c,), k_pos (s,)), each row's place in the sequence, for
     rows that are not the sequence's first in order (a context-parallel rank's
-    chunks, allgather_attention): a query sees the keys at or before it."""
+    chunks, allgather_attention): a query sees the keys at or before it.
+    Written out, not fused, so that autograd keeps what Korthikanti et al. 2022
+    count in table 2; ring attention's blocks are the one attention that does
+    not call it (it is their reference)."""
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (..., c, s)
     if causal and positions is None:  # q's rows are the sequence's first rows

@@ -1,28 +1,12 @@
-"""Optimizer-state offload (Ren et al. 2021, "ZeRO-Offload: Democratizing
-Billion-Scale Model Training", sec. 4): the fp32 master weights and the optimizer
-state live in host (CPU) memory; the device keeps only the model's parameters and
-gradients. Each step:
+"""Optimizer-state offload (ZeRO-Offload, Ren et al. 2021, sec. 4): the fp32 master
+weights and the optimizer state live in host (CPU) memory, the device keeps only
+the model's parameters and gradients; each step sends the gradients down and the
+updated parameters up.
 
-    gradients    device -> host   grad_bytes x Ψ    (bf16/fp16: 2Ψ, the paper's 2M)
-    optimizer step on the host, in fp32 (master weights, Adam's m and v)
-    parameters   host -> device   param_bytes x Ψ   (rounded on the host: 2Ψ)
+    opt = OffloadedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
 
-so (grad_bytes + param_bytes)·Ψ cross PCIe per step: 4Ψ in mixed precision (the
-paper's 4M, sec. 4.1), 8Ψ in fp32. With ZeRO's sharding (sec. 4.2) each of N ranks
-offloads its own 1/N: pass it as ShardedOptimizer's `optimizer_cls`
-
-    ShardedOptimizer(model.parameters(), partial(OffloadedOptimizer,
-                     optimizer_cls=torch.optim.Adam), lr=1e-3)
-
-and each rank moves (grad_bytes + param_bytes)·Ψ/N (ShardedOptimizer's
-`state_dict()` then sees no state: save this optimizer's own instead).
-
-Host buffers (pinned when the parameters are on CUDA, so copies can be async):
-`stage`, one per parameter in the model's dtype, carries gradients down and the
-rounded parameters up; in mixed precision the host also keeps an fp32 gradient.
-On a CPU-only machine host and device are one memory: the same copies still run
-between separate tensors, `host_copies` counts them, and the memory ledger counts the
-host side apart from the device's (`ledger.host`), as it would be on a GPU.
+Imports torch and labkit.probe. On a CPU-only machine host and device are one
+memory: the copies still run, and the memory ledger counts the host side apart.
 """
 
 from __future__ import annotations
@@ -71,6 +55,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     `param_groups` hold your (device) parameters, so lr schedulers work as usual;
     `state` is the host optimizer's (keyed by the masters); `host_copies` has one
     `HostCopy` per step. `pin_memory` defaults to "the parameters are on CUDA".
+
+    DeepSpeed's ZeRO-Offload optimizer (offload_optimizer device "cpu"), except
+    that `optimizer_cls` itself steps on the host (no CPU-Adam kernel) and every
+    copy is made inside step(), after backward. With ZeRO, pass it as
+    ShardedOptimizer's `optimizer_cls`: each rank then offloads its own 1/N.
     """
 
     def __init__(self, params, optimizer_cls: type[torch.optim.Optimizer], *,
@@ -117,7 +106,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return {**{k: v for k, v in g.items() if k != "params"},
                 "params": [self._slots[p].master for p in g["params"]]}
 
-    def _pinned(self, p: torch.Tensor) -> bool:
+    def _pinned(self, p: torch.Tensor) -> bool:  # pinned: the copies can be async
         if self._pin_arg is not None:
             return self._pin_arg
         return p.device.type == "cuda"
@@ -144,6 +133,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Copy the gradients down to the host (upcast there in mixed precision),
+        step `optimizer_cls` on the fp32 masters, and copy the parameters back up
+        in the model's dtype; appends one HostCopy. A parameter without a .grad
+        is not stepped."""
         if closure is not None:
             raise ValueError("OffloadedOptimizer.step does not take a closure")
         for g, h in zip(self.param_groups, self.inner.param_groups):

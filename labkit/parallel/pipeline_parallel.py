@@ -1,30 +1,13 @@
 """Pipeline parallelism (流水线并行): a model's layers cut into p stages, one per
-rank of `group`; micro-batches flow forward through the stages and their
-gradients flow back, passed with send/recv (GPipe, Huang et al. 2019; 1F1B,
-Narayanan et al. 2021, sec. 2.2.1).
+rank of `group`; micro-batches flow forward through the stages and their gradients
+flow back, passed with send/recv (GPipe, Huang et al. 2019; 1F1B, Narayanan et al.
+2021, sec. 2.2.1).
 
     pipe = PipelineParallel(model, microbatches=4, loss_fn=F.mse_loss)
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)    # this stage's layers only
-    opt.zero_grad()
     loss = pipe.step(x, y)      # every rank: the same batch; the loss on the last
-    opt.step()
 
-Stage s of p keeps layers [s·L/p, (s+1)·L/p) of the L layers (or `balance`, the
-count per stage), under their names in the whole model ("2.weight"). The batch
-is cut into m equal micro-batches along dim 0. Stage 0 reads x, the last stage
-`target`; the others need x only for its shape. The loss of micro-batch i is
-loss_fn(out_i, target_i) / m, so with a loss that averages over its rows (the
-default reduction) the gradients accumulated over the m micro-batches are the
-whole batch's, and `step` returns the mean of the m losses: the whole batch's.
-
-The stage order is `pipeline_schedules.stage_order` ("gpipe": all forwards then
-all backwards; "1f1b": p-1-s forwards, then one forward one backward). Each
-pass posts the receive of its input, waits for the previous pass's send, then
-for the receive (see "point to point" below). `events` has the spans: compute
-"forward i" / "backward i", comm "send activation i", "recv gradient i" (posted
-to done: waiting for the peer shows there). At the
-first step of a given batch shape each stage also sends the next the shape and
-dtype of its output, once.
+Imports labkit.arguments, labkit.probe and pipeline_schedules. Each micro-batch's
+loss is divided by m, so the accumulated gradients are the whole batch's.
 """
 
 from __future__ import annotations
@@ -65,7 +48,13 @@ class PipelineParallel(torch.nn.Module):
     """This rank's stage of a pipeline over the ranks of `group` (default: all).
     `module` holds the stage's layers; `step(x, target)` runs one schedule of m
     micro-batches, forward and backward, and leaves the stage's gradients in
-    `.grad` (accumulated: zero them before each step)."""
+    `.grad` (accumulated: zero them before each step).
+
+    torch.distributed.pipelining's PipelineStage with ScheduleGPipe or
+    Schedule1F1B in one object; unlike it, every rank passes the whole model
+    (or its layers) and keeps its own stage, `step(x, target)` takes the batch
+    on every rank and returns the mean loss on the last stage.
+    """
 
     def __init__(self, layers, *, microbatches: int, loss_fn, schedule: str = "1f1b",
                  group=None, balance=None):
@@ -99,7 +88,9 @@ class PipelineParallel(torch.nn.Module):
 
     @property
     def events(self) -> list[Span]:
-        """The last step's spans (this rank's clock)."""
+        """The last step's spans (this rank's clock): compute "forward i",
+        "backward i"; comm "send activation i", "recv gradient i", ..., a
+        receive from posted to done (waiting for the peer shows there)."""
         return list(self._spans)
 
     @property
@@ -172,11 +163,12 @@ class PipelineParallel(torch.nn.Module):
             if self.is_last:
                 loss = self.loss_fn(out, ts[i])
                 losses.append(loss.detach())
+                # / m: with a mean loss, the m gradients add up to the batch's
                 self._losses[i] = loss / self.microbatches
         self._inputs[i], self._outputs[i] = inp, out
         self.peak_in_flight = max(self.peak_in_flight, len(self._outputs))
         if not self.is_last:
-            if first_time and i == 0:
+            if first_time and i == 0:  # a new batch shape: its shape and dtype, once
                 self._send_header(out)
             self._send(out.detach(), self.next, f"send activation {i}")
 

@@ -1,25 +1,10 @@
-"""Pipeline schedules: the order of work on each stage, and a simulator of it.
+"""Pipeline schedules: the order of passes on each stage (`stage_order`: GPipe,
+1F1B, interleaved, ZB-H1), and a simulator that times any of them with fixed pass
+durations, no ranks (`simulate_schedule`).
 
-A schedule says, for stage `rank` of p and m micro-batches, which pass runs next:
-F (forward), B (backward; in zero-bubble schedules only the gradient of the
-input), W (the weights' gradient, zero-bubble only). `stage_order` gives that
-list; `PipelineParallel` (pipeline_parallel.py) runs GPipe's and 1F1B's on real
-ranks, and `simulate_schedule` times any of them with fixed pass durations (no
-ranks):
-
-    gpipe        all m forwards, then all m backwards (Huang et al. 2019)
-    1f1b         p-1-rank forwards, then one forward one backward, then the
-                 remaining backwards (Narayanan et al. 2021, sec. 2.2.1; PipeDream-
-                 Flush): at most p micro-batches in flight instead of m
-    interleaved  each rank holds v model chunks, stages rank, rank+p, ...; 1F1B
-                 over the v·p virtual stages in groups of p micro-batches
-                 (Narayanan et al. 2021, sec. 2.2.2, Megatron-LM's order)
-    zb-h1        1F1B with the backward split in B and W; stage i defers its
-                 first i W passes, which later fill the drain's bubbles (Qi et
-                 al. 2024, "Zero Bubble Pipeline Parallelism", sec. 2.1)
-
-Dependencies the simulator honours: F of a micro-batch on virtual stage k needs
-its F on k-1; B on k needs B on k+1 (the last stage: its own F); W needs B.
+Imports labkit.arguments and labkit.theory. F is a forward, B a backward (in
+zero-bubble schedules only the input's gradient), W the weights' gradient
+(zero-bubble only), which ZB-H1 defers to fill the drain's bubbles.
 """
 
 from __future__ import annotations
@@ -56,7 +41,10 @@ def _check(schedule: str, p: int, m: int, rank: int, v: int) -> None:
 
 
 def stage_order(schedule: str, p: int, m: int, rank: int, v: int = 1) -> list[Action]:
-    """The passes stage `rank` of p runs, in order, for m micro-batches."""
+    """The passes stage `rank` of p runs, in order, for m micro-batches: "gpipe"
+    all forwards then all backwards; "1f1b" p-1-rank forwards, then one forward
+    one backward; "interleaved" 1F1B over v chunks per rank; "zb-h1" 1F1B with
+    stage `rank` deferring its first `rank` W passes."""
     _check(schedule, p, m, rank, v)
     F, B, W = (partial(Action, kind) for kind in "FBW")  # F(3): Action("F", 3)
     if schedule == "gpipe":
@@ -175,6 +163,8 @@ def simulate_schedule(schedule: str, p: int, m: int, v: int = 1, *, f: float = 1
     stages = v * p
 
     def needs(a: Action, rank: int):
+        # F on virtual stage k needs F on k-1; B on k needs B on k+1 (the last
+        # stage: its own F); W needs B
         k = a.chunk * p + rank  # virtual stage
         if a.kind == "F":
             return [] if k == 0 else [("F", a.microbatch, k - 1)]

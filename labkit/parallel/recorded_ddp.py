@@ -1,15 +1,9 @@
 """PyTorch's DistributedDataParallel, recording its own timeline: chapter 05 draws
 it beside labkit's `DataParallel`, whose `.events` it fills the same way.
 
-DDP records nothing itself, so two hooks note the times without changing what
-it sends:
-
-- *backward*: from the moment the model output's gradient arrives to the end of
-  autograd's pass (a callback autograd runs when backward is over, queued before
-  DDP's own, so it fires before DDP waits for its buckets);
-- *each bucket*: from the moment DDP hands it to its communication hook to the
-  moment its future completes. The hook wraps DDP's default one,
-  `allreduce_hook` (divide by N, all-reduce), and notes the times.
+Imports torch and labkit.probe. DDP records nothing itself, so two hooks note the
+times without changing what it sends: a hook on the output's gradient that queues
+an autograd callback, and a communication hook around DDP's default allreduce_hook.
 """
 
 from __future__ import annotations
@@ -41,6 +35,8 @@ def record_backward(events: list, output: torch.Tensor) -> torch.Tensor:
     """Note in `events` a "backward" Span from the moment `output`'s gradient
     arrives to the end of autograd's pass; returns `output`."""
     def started(grad):
+        # queued as backward starts, before DDP queues its own callback: it runs
+        # before DDP waits for its buckets
         t0 = time.perf_counter()
         torch.autograd.Variable._execution_engine.queue_callback(
             lambda: events.append(Span("compute", "backward", t0,
@@ -51,7 +47,11 @@ def record_backward(events: list, output: torch.Tensor) -> torch.Tensor:
 
 class RecordedDDP(DistributedDataParallel):
     """PyTorch's DDP, recording the spans of its last step in `.events`, as
-    labkit's DataParallel does (same arguments as DDP)."""
+    labkit's DataParallel does (same arguments as DDP).
+
+    torch.nn.parallel.DistributedDataParallel itself (a subclass); it differs
+    only in `.events` and in taking DDP's one communication hook, so
+    register_comm_hook cannot be called on it again."""
 
     def __init__(self, module, **kwargs):
         super().__init__(module, **kwargs)

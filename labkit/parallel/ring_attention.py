@@ -1,31 +1,13 @@
 """Context parallelism (上下文并行) by ring attention (Liu et al. 2023, "Ring
-Attention with Blockwise Transformers for Near-Infinite Context"): the sequence is
-cut into N contiguous chunks, rank r holds the queries, keys and values of chunk
-r, and the key/value chunks travel once around the ring while every rank attends
-its queries to each one as it passes. No rank ever holds the whole sequence's
-keys, nor more than one (s/N x s/N) block of attention scores per head.
+Attention with Blockwise Transformers for Near-Infinite Context"): rank r holds
+chunk r of the sequence, and the key/value chunks travel once around the ring while
+every rank attends its queries to each one as it passes.
 
     q, k, v = (shard_sequence(t, group, dim=-2) for t in (q, k, v))  # (b, a, s/N, d)
     out = ring_attention(q, k, v, group, causal=True)  # this chunk's output rows
 
-The blocks arrive one at a time, so the softmax over a row is assembled online
-(Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022, sec. 3.1): each block
-gives a `Partial` — the row's running max m, its sum l = sum exp(score - m) and
-acc = sum exp(score - m) v — and `merge_partials` rescales two partials to a common max
-and adds them. The output is acc / l, exactly the softmax's (up to rounding).
-
-Backward is a custom autograd Function that recomputes each block's scores from
-q, k and the saved log-sum-exp (lse = m + log l; FlashAttention's backward, sec.
-3.1 and appendix B): the K/V chunks go around the ring again, and with each
-chunk travel the gradients dK, dV accumulated for it so far; after N passes every
-chunk's complete gradient is back on its owner. Per rank and step: forward sends
-(N-1) messages of K and V, backward (N-1) of K and V and N of dK and dV, each
-2 * b*a*(s/N)*d elements.
-
-Causal: chunk r attends to chunks 0..r only (the diagonal block masked), so with
-contiguous chunks rank r computes r + 1 blocks: the last rank does N times the
-first's work. Striped or zigzag layouts (Brandon et al. 2023; Llama 3) balance it;
-this module keeps the contiguous layout, whose schedule `ring_schedule` returns.
+Imports labkit.arguments and labkit.parallel.models (its reference). The softmax of
+a row is assembled online from each block's `Partial` (max, sum, accumulator).
 """
 
 from __future__ import annotations
@@ -129,6 +111,11 @@ def _wait(reqs) -> None:
 
 
 class _RingAttention(torch.autograd.Function):
+    """Forward: the K/V chunks go round once, each block's Partial merged in.
+    Backward: they go round again, each block's scores recomputed from q, k and
+    the saved log-sum-exp (FlashAttention's backward), and each chunk's dK, dV
+    travel with it, home after N moves."""
+
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, merge_fn):
         n, r = dist.get_world_size(group), dist.get_rank(group)

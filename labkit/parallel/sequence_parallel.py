@@ -1,42 +1,13 @@
 """Sequence parallelism (序列并行), Megatron-LM's way (Korthikanti et al. 2022,
-"Reducing Activation Recomputation in Large Transformer Models", sec. 4.2.2):
-tensor parallelism splits attention and the MLP over t ranks but leaves the
-LayerNorms, dropouts and residual adds replicated, each holding a whole [s, b, h]
-activation on every rank — the 10sbh that does not shrink with t. Sequence
-parallelism runs them on sequence shards [s/t, b, h] instead. Going into a
-column-parallel layer the shards are all-gathered along the sequence, and coming
-out of a row-parallel layer the partial sums are reduce-scattered to shards: an
-all-gather and a reduce-scatter replace each all-reduce of tensor parallelism, and
-send the same bytes (ring all-reduce is exactly a reduce-scatter then an
-all-gather).
+sec. 4.2.2): the LayerNorms, dropouts and residual adds that tensor parallelism
+leaves replicated run on sequence shards [s/t, b, h]; an all-gather and a
+reduce-scatter replace each of tensor parallelism's all-reduces, for the same bytes.
 
-    ref = TransformerLayer(h, a)                        # models.py: one process
     sp = ParallelTransformerLayer.from_layer(ref, group, sequence_parallel=True)
     y = sp(x_shard)                                     # [s/t, b, h] -> [s/t, b, h]
     y.backward(dy); sync_sequence_parallel_grads(sp, group)   # LayerNorm grads
 
-A LayerNorm (and a row-parallel bias) sees only this rank's s/t positions, so its
-gradient is a part sum: `sync_sequence_parallel_grads` all-reduces every parameter
-marked `sequence_parallel = True` over the group before the optimizer steps.
-
-Megatron's column-parallel layer keeps only the input *shard* for backward and
-all-gathers it again there (regather=True, the default here): 2sbh/t saved instead
-of the gathered 2sbh, for one more all-gather per column-parallel layer in
-backward. regather=False uses tensor_parallel.ColumnParallelLinear as it is,
-which keeps the gathered input (and sends exactly tensor parallelism's bytes).
-
-Activation memory (`TransformerLayer`, bf16): the attention is models.py's
-`attention`, written out (scores, softmax, dropout with a 1-byte mask, as
-Korthikanti et al. count it), not fused, so what autograd saves is what their
-table 2 counts; recompute="selective" checkpoints that function (q kᵀ, softmax,
-dropout, ·V), "full" the whole layer from its input. PyTorch's non-reentrant
-checkpoint re-runs only what backward needs: q kᵀ, softmax and dropout, not ·V
-(whose output backward never reads); with dropout on, the whole layer.
-
-Dropout draws from each rank's own generator. With tensor parallelism alone the
-dropouts after attention and the MLP act on replicated tensors, so the ranks must
-start from the same seed (they then draw alike); tests compare with one process
-with dropout off.
+Imports labkit.parallel's models, tensor_parallel and tensor_parallel_mappings.
 """
 
 from __future__ import annotations
@@ -81,7 +52,15 @@ class ParallelTransformerLayer(TransformerLayer):
     features split by tensor parallelism (tensor_parallel's ParallelSelfAttention
     and ParallelMLP), and with sequence_parallel=True the LayerNorms, dropouts and
     residual adds on sequence shards: [s/t, b, h] -> [s/t, b, h]. Without it,
-    [s, b, h] -> [s, b, h], replicated on every rank."""
+    [s, b, h] -> [s, b, h], replicated on every rank.
+
+    Megatron-LM's transformer layer with tensor and sequence parallelism (torch's
+    own route is DTensor: ColwiseParallel, RowwiseParallel, SequenceParallel);
+    unlike Megatron, the LayerNorm gradients are summed by an explicit
+    sync_sequence_parallel_grads(). Dropout draws from each rank's own
+    generator: without sequence parallelism it acts on replicated tensors, so
+    seed every rank alike.
+    """
 
     def __init__(self, hidden: int, heads: int, group=None,
                  ffn_hidden: int | None = None, dropout: float = 0.0,
@@ -120,6 +99,8 @@ class ParallelTransformerLayer(TransformerLayer):
         return out
 
     def _column(self, linear: nn.Module, x):
+        # Megatron's: save the shard (2sbh/t), all-gather it again in backward;
+        # regather=False keeps the gathered input, as tensor parallelism does
         if self.sequence_parallel and self.regather:  # keep the shard, not (s, b, h)
             return _GatherLinear.apply(x, linear.weight, linear.bias, self.group)
         return linear(x)

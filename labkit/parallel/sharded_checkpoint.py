@@ -1,37 +1,13 @@
 """Sharded checkpoints (分片检查点) with torch.distributed.checkpoint (DCP): each
-rank writes only its own shards of the training state (parameters, optimizer
-state, step); the files load on any number of ranks, or in one process as a
-plain state_dict.
+rank writes only its shards of the training state (parameters, optimizer state,
+step); the files load on any number of ranks, or in one process.
 
     save_sharded(path, fsdp, opt, step=2)       # on the 4 ranks that trained
     step = load_sharded(path, fsdp, opt)        # a new job, on 2 ranks
     full = load_full_state_dict(path)           # one process, no ranks
-    model.load_state_dict(full["model"])        # whole tensors, the model's shapes
 
-labkit's FullyShardedDataParallel flattens a parameter of numel elements, pads
-it to N*s (s = ceil(numel/N)) and gives rank r [r*s, (r+1)*s). Without the
-padding, that is DTensor's Shard(0) piece of the flat (numel,) tensor (chunks of
-s, the last ranks' shorter or empty), so each rank saves `DTensor.from_local(its
-piece, mesh, [Shard(0)], shape=(numel,))`, and DCP, which records every chunk's
-offset, reshards on load. Optimizer state of the parameter's shape (Adam's m and
-v) goes the same way; scalars (Adam's step), replicated parameters and buffers
-as plain tensors, which DCP writes once. A tied weight is saved once, under its
-first name; "layout" (JSON) keeps the shapes and the other names, so
-load_full_state_dict returns every name, each tensor in its own shape. Which
-unit owns a parameter does not matter.
-
-Any other module (FSDP2's fully_shard, DDP, a plain one) goes through
-torch.distributed.checkpoint.state_dict (get_state_dict / set_state_dict), whose
-DTensors keep their own shapes. Both save {"model": {name: tensor}, "optim":
-{"state": {name: {key: tensor}}, "param_groups": [{..., "params": [names]}]},
-"step": int}. A parameter that never had a gradient has no optimizer state
-(torch.optim made none), in the files and after loading.
-
-DCP writes one file per rank (__r_0.distcp) and .metadata, each tensor chunk in
-torch.save's container (about 1.5 kB of zip framing around the elements);
-`checkpoint_bytes` reads each file's size and, from .metadata, its tensors' bytes.
-A save is written beside the folder and renamed into place when every rank has
-written (checkpoint_files.py): a save cut short never leaves a mix of two.
+Imports labkit.parallel's fsdp and checkpoint_files. labkit's FSDP shards are saved
+as DTensor Shard(0) pieces of each flat parameter, so DCP reshards them on load.
 """
 
 from __future__ import annotations
@@ -57,7 +33,8 @@ from labkit.parallel.checkpoint_files import (  # noqa: F401 (re-exported)
 from labkit.parallel.fsdp import FullyShardedDataParallel
 
 # torch.distributed.checkpoint and DTensor are imported where they are used:
-# importing them takes about 2 s, which `import labkit.parallel` should not pay
+# importing them is slow (`python -X importtime` shows how slow), which
+# `import labkit.parallel` should not pay
 
 
 def _dsd():
@@ -102,6 +79,8 @@ def _entries(fsdp: FullyShardedDataParallel) -> dict[int, _Entry]:
 
 
 def _dtensor(local: torch.Tensor, e: _Entry, mesh):
+    """This rank's piece of a flat (numel,) parameter, padding cut off, as
+    DTensor's Shard(0) piece: DCP records its offset and reshards on load."""
     from torch.distributed.tensor import DTensor, Shard
 
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
@@ -160,6 +139,8 @@ def _ours(fsdp: FullyShardedDataParallel, optimizer) -> dict:
         t = e.tensor.detach()
         model[e.names[0]] = t if e.s is None else _dtensor(t[:e.piece(r)], e, mesh)
         layout["shapes"][e.names[0]] = list(e.shape)
+        # a tied weight is saved once, under its first name; "layout" keeps the
+        # other names and every shape, for load_full_state_dict
         layout["tied"].update({alias: e.names[0] for alias in e.names[1:]})
     out = {"model": model, "layout": json.dumps(layout)}
     if optimizer is not None:

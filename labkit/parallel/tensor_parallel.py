@@ -1,32 +1,13 @@
-"""Tensor parallelism (张量并行), Megatron-LM's way (Shoeybi et al. 2019, "Megatron-LM:
-Training Multi-Billion Parameter Language Models Using Model Parallelism", sec. 3):
-each of t ranks of a group keeps 1/t of every weight matrix of a layer and
-computes on the whole batch.
+"""Tensor parallelism (张量并行), Megatron-LM's way (Shoeybi et al. 2019, sec. 3):
+each of t ranks of a group keeps 1/t of every weight matrix of a layer and computes
+on the whole batch.
 
     fc1 = ColumnParallelLinear(h, 4*h, group)        # W split by output rows
     fc2 = RowParallelLinear(4*h, h, group)           # W split by input columns
     y = fc2(F.gelu(fc1(x)))                          # x, y: whole, on every rank
 
-A column-parallel layer's input passes through f (identity forward, all-reduce
-backward) and leaves as this rank's slice of the output features; a row-parallel
-layer takes that slice, multiplies by its columns of W and passes the partial
-sums through g (all-reduce forward, identity backward). Column then row: one
-all-reduce forward and one backward per pair, none in between (sec. 3, fig. 3).
-With sequence_parallel=True (Korthikanti et al. 2022, sec. 4.2.2) the input is
-the sequence shard [s/t, b, h] and is all-gathered instead of f; the output is
-reduce-scattered to a sequence shard instead of g.
-
-Initialization: every rank draws the whole layer, as one process's nn.Linear
-(or models.py's MLP and SelfAttention) draws it from the global generator, and
-keeps its slice (picotron's way; Megatron's with use_cpu_initialization). With
-the same seed on every rank, as the chapters set it, the t slices are one
-process's layer for any t, and the generator ends where one process's does; a
-rank briefly holds the whole weight. `from_linear` / `from_mlp` /
-`from_attention` take this rank's slice of a single-process module instead, and
-draw nothing.
-Layout: [s, b, h] (sequence first, as Megatron; see models.py) for attention,
-which is models.attention on this rank's heads; the MLP takes any (..., h). The
-operators themselves live in tensor_parallel_mappings.py and are re-exported here.
+Imports labkit.parallel's models and tensor_parallel_mappings. Every rank draws the
+whole layer and keeps its slice, so with one seed the t slices are one process's.
 """
 
 from __future__ import annotations
@@ -118,7 +99,13 @@ class ColumnParallelLinear(nn.Module):
     [r*out/t, (r+1)*out/t) of W and b. Forward: f (or, sequence_parallel, the
     all-gather of the sequence shard), then the local matmul; the output is this
     rank's slice of the features (..., out/t), or with gather_output=True the
-    whole (..., out), all-gathered."""
+    whole (..., out), all-gathered.
+
+    Megatron-LM's ColumnParallelLinear (torch's DTensor counterpart:
+    ColwiseParallel); unlike Megatron's, it takes its process group as an
+    argument, and every rank draws the whole nn.Linear and keeps its rows (as
+    Megatron with use_cpu_initialization), so one seed gives one process's layer.
+    """
 
     def __init__(self, in_features: int, out_features: int, group=None,
                  bias: bool = True, gather_output: bool = False,
@@ -132,7 +119,8 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = divide(out_features, self.tp, "out_features")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        w, b = _whole_linear(in_features, out_features, bias)  # one process's
+        # one process's layer (the rank holds the whole weight for a moment)
+        w, b = _whole_linear(in_features, out_features, bias)
         self.weight = _part(w, 0, self.tp_rank, self.tp)  # this rank's rows
         self.bias = None if b is None else _part(b, 0, self.tp_rank, self.tp)
 
@@ -175,7 +163,12 @@ class RowParallelLinear(nn.Module):
     whole input is sliced first), then g (or, sequence_parallel, a reduce-scatter
     to the sequence shard), then the bias, once, after the reduction. With
     sequence_parallel the bias sees a sequence shard only: its gradient must be
-    all-reduced over the group (the bias carries `sequence_parallel = True`)."""
+    all-reduced over the group (the bias carries `sequence_parallel = True`).
+
+    Megatron-LM's RowParallelLinear (torch's DTensor counterpart:
+    RowwiseParallel); unlike Megatron's, it takes its process group as an
+    argument and draws the whole nn.Linear on every rank, keeping its columns.
+    """
 
     def __init__(self, in_features: int, out_features: int, group=None,
                  bias: bool = True, input_is_parallel: bool = True,
@@ -235,7 +228,9 @@ class RowParallelLinear(nn.Module):
 class ParallelMLP(nn.Module):
     """MLP split over the group: fc1 column-parallel, GeLU on this rank's ffn/t
     features, fc2 row-parallel. One all-reduce forward (g), one backward (f);
-    with sequence_parallel an all-gather and a reduce-scatter each way instead."""
+    with sequence_parallel an all-gather and a reduce-scatter each way instead.
+    Megatron-LM's ParallelMLP, with a plain GeLU (no fused bias-GeLU, no SwiGLU).
+    """
 
     def __init__(self, hidden: int, ffn_hidden: int, group=None,
                  sequence_parallel: bool = False):
@@ -267,7 +262,12 @@ class ParallelSelfAttention(nn.Module):
     (with sequence_parallel, [s/t, b, h] -> [s/t, b, h]). q, k and v are one
     column-parallel layer `qkv` (h -> 3h, this rank's rows: the q, then k, then v
     features of its heads), so the input passes one f; this rank computes
-    attention for its heads/t heads; `proj` is row-parallel (one g)."""
+    attention for its heads/t heads; `proj` is row-parallel (one g).
+
+    Megatron-LM's ParallelAttention, except that `qkv`'s rows are all q, then k,
+    then v of this rank's heads (Megatron interleaves q, k, v head by head) and
+    the attention is models.attention, written out, not a fused kernel.
+    """
 
     def __init__(self, hidden: int, heads: int, group=None,
                  sequence_parallel: bool = False, causal: bool = True):

@@ -1,25 +1,11 @@
 """Tensor parallelism's conjugate operators (tensor_parallel.py's helper), with
 Megatron-LM's names (Shoeybi et al. 2019, sec. 3, fig. 3; sequence parallelism:
-Korthikanti et al. 2022, sec. 4.2.2). Each is an autograd Function over the ranks
-of an explicit process group (None: the default world group); on one rank each is
-the identity.
+Korthikanti et al. 2022, sec. 4.2.2): f, g, and the scatters, gathers and
+reduce-scatter along the last (features) or first (sequence) dimension.
 
-| operator                                     | forward          | backward         |
-|----------------------------------------------|------------------|------------------|
-| copy_to_tensor_model_parallel_region (f)     | identity         | all-reduce       |
-| reduce_from_tensor_model_parallel_region (g) | all-reduce       | identity         |
-| scatter_to_tensor_model_parallel_region      | keep my last-dim | all-gather last  |
-| gather_from_tensor_model_parallel_region     | all-gather last  | keep my last-dim |
-| scatter_to_sequence_parallel_region          | keep my dim-0    | all-gather dim 0 |
-| gather_from_sequence_parallel_region         | all-gather dim 0 | reduce-scatter 0 |
-| reduce_scatter_to_sequence_parallel_region   | reduce-scatter 0 | all-gather dim 0 |
-
-Sequence-parallel operators use the sequence-first layout [s, b, h]: a rank's
-shard is rows [r*s/t, (r+1)*s/t) of dim 0. Reduce-scatter is reduce_scatter.py's
-all-to-all and local sum (gloo's reduce_scatter sends all-reduce bytes), listed by
-the traffic ledger as all_to_all; all-gather is one all_gather_single
-into a 1-D buffer (gloo's all-gather takes only a 1-D output), listed as
-all_gather. A size that does not divide by the group's size raises ValueError.
+Imports labkit.parallel.reduce_scatter. Each is an autograd Function over an
+explicit process group (None: the world), the identity on one rank, whose backward
+is its forward's conjugate (f: identity forward, all-reduce backward; g: reverse).
 """
 
 from __future__ import annotations
@@ -58,7 +44,8 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _gather_flat(x: torch.Tensor, group) -> torch.Tensor:
-    """(t, *x.shape): every rank's x, in group-rank order."""
+    """(t, *x.shape): every rank's x, in group-rank order; one all_gather_single
+    into a 1-D buffer (gloo's all-gather takes only a 1-D output)."""
     t = _size(group)
     out = x.new_empty(t * x.numel())
     dist.all_gather_single(out, x.contiguous().view(-1), group=group)

@@ -1,31 +1,13 @@
-"""3D parallelism (三维并行): data, pipeline and tensor parallelism at once, over
-the rank grid of `ParallelGroups` (Narayanan et al. 2021, "Efficient Large-Scale
+"""3D parallelism (三维并行): data, pipeline and tensor parallelism at once, over the
+rank grid of `ParallelGroups` (Narayanan et al. 2021, "Efficient Large-Scale
 Language Model Training on GPU Clusters Using Megatron-LM", sec. 2 and 3).
 
     g = ParallelGroups.build(tp=2, pp=2, dp=2)          # 8 ranks, tp innermost
-    torch.manual_seed(0); model = TinyGPT(vocab=64, seq=16, hidden=32, heads=4)
     run = ThreeD(model, g, microbatches=2)              # this rank's part of it
-    opt = torch.optim.SGD(run.parameters(), lr=0.1)
     opt.zero_grad(); loss = run.step(tokens, targets); opt.step()
 
-Each rank keeps one stage (pipeline group) of the model's layers, and of every
-transformer block in it 1/tp of the attention heads and MLP columns (tensor group,
-Megatron's split); embedding, LayerNorms and head stay whole on the tensor ranks
-of their stage. `step` takes the global batch, keeps this rank's 1/dp of its
-rows, runs the pipeline schedule over its micro-batches, then averages the
-stage's gradients over the data-parallel group in one all-reduce of all of them
-(flattened). Every byte so travels in exactly one of the three groups:
-- tp: 2 all-reduces forward and 2 backward of b·s·h per block and micro-batch;
-- pp: one activation b·s·h forward and its gradient back per micro-batch and
-  stage boundary (each tensor rank sends its own copy);
-- dp: one all-reduce of this rank's gradient shard, 2(dp-1)/dp of it per rank.
-
-`TinyGPT` (models.py) is the single-process reference (an nn.Sequential:
-embedding, blocks, head); `stage_layers(model, groups)` is this rank's part of any
-TinyGPT, under the same names, so a test compares every weight after training
-with one process. Layout: tokens (b, s) in, logits (b, s, V) out, and [s, b, h]
-between the modules, so a stage boundary passes a micro-batch's [s, b/m, h]
-activation (the micro-batches are cut from the tokens' rows, dim 0).
+Imports labkit.parallel's models, data_parallel, pipeline_parallel and
+sequence_parallel. Every byte travels in exactly one of the tp, pp and dp groups.
 """
 
 from __future__ import annotations
@@ -60,11 +42,18 @@ def stage_layers(model: TinyGPT, groups, balance=None) -> list[nn.Module]:
 
 
 class ThreeD(nn.Module):
-    """This rank's part of `model` under data x pipeline x tensor parallelism (see
-    the module's docstring). `step(tokens, targets)` runs one training step's
-    forward and backward over the global batch and leaves the averaged gradients
-    in `.grad`; it returns the loss of this rank's data shard on the last stage
-    (the mean over its micro-batches), None elsewhere."""
+    """This rank's part of `model` under data x pipeline x tensor parallelism: one
+    stage of its layers, 1/tp of each block's heads and MLP columns.
+    `step(tokens, targets)` runs one training step's forward and backward over
+    the global batch and leaves the averaged gradients in `.grad`; it returns
+    the loss of this rank's data shard on the last stage (the mean over its
+    micro-batches), None elsewhere.
+
+    Megatron-LM's PTD-P layout; torch has no one class for it (torchtitan
+    composes DeviceMesh, pipelining and parallelize_module). Data parallelism
+    here is one all-reduce of the stage's gradients after the step: no overlap
+    with backward, no ZeRO sharding.
+    """
 
     def __init__(self, model: TinyGPT, groups, *, microbatches: int,
                  schedule: str = "1f1b", balance=None):

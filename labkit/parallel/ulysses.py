@@ -1,32 +1,12 @@
-"""Context parallelism by all-to-all: DeepSpeed-Ulysses (Jacobs et al. 2023,
-"DeepSpeed Ulysses: System Optimizations for Enabling Training of Extreme Long
-Sequence Transformer Models", sec. 3.1). Outside attention every rank holds
-s/N rows of the sequence with all heads; an all-to-all trades that for all s
-rows of a/N heads, each rank runs ordinary attention over the whole sequence
-for its heads, and a second all-to-all trades the output back.
+"""Context parallelism by all-to-all: DeepSpeed-Ulysses (Jacobs et al. 2023, sec.
+3.1). An all-to-all trades each rank's s/N rows of all heads for all s rows of a/N
+heads, ordinary attention runs on those, and a second all-to-all trades back.
 
     q, k, v = (shard_sequence(t, group) for t in (q, k, v))  # (b, a, s/N, d)
     out = ulysses_attention(q, k, v, group, causal=True)     # (b, a, s/N, d)
 
-Layout: ring_attention's, (..., a, s/N, d) on every rank (batch, heads, this
-rank's rows, head dim); inside, (..., a/N, s, d). Head group j (heads
-[j*a/N, (j+1)*a/N)) goes to rank j. Its limit: the heads must divide among the
-ranks (a ValueError names both numbers), so N <= a.
-
-Autograd: an all-to-all only moves data, so its backward is the reverse
-all-to-all (the gradient of (b, a/N, s, d) is traded back to (b, a, s/N, d)
-and vice versa). Per rank and layer: four all-to-alls of a (b, a, s/N, d)
-tensor forward (q, k, v in, the output back) and four backward (the output's
-gradient in, those of q, k, v back), each sending (N-1)/N of it: Jacobs et
-al. 2023, sec. 3.2 count 4Nh/P per link (theory.context_parallel).
-
-Causal load balancing: not needed here. Every rank attends over the whole
-sequence for a/N heads, so under a causal mask each does the same s(s+1)/2
-pairs per head whichever rows it holds outside attention. What Ulysses needs is
-the rows in sequence order before the mask: with balanced=True its shards are
-Llama 3's (chunks r and 2N-1-r, allgather_attention.shard_balanced, e.g. where
-Ulysses and a ring or all-gather share one sequence layout), and it sorts the
-gathered rows into order before attention and back after.
+Imports labkit.parallel's models, reduce_scatter and allgather_attention. The heads
+must divide among the ranks (N <= a); causal work needs no balancing here.
 """
 
 from __future__ import annotations
@@ -137,6 +117,7 @@ def ulysses_attention(q, k, v, group=None, causal: bool = False,
     n = dist.get_world_size(group)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     qh, kh, vh = (sequence_to_heads(t, group) for t in (q, k, v))  # (.., a/N, s, d)
+    # balanced (Llama 3's shards): sort the rows into sequence order for the mask
     if balanced:  # gathered rows are rank 0's two chunks, rank 1's, ...
         s = qh.shape[-2]
         held = torch.cat([rows_of(s, n, j, True) for j in range(n)]).to(qh.device)

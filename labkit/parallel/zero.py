@@ -1,55 +1,13 @@
-"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
-Training Trillion Parameter Models", sec. 5.1-5.2): each of N data-parallel ranks
-keeps the optimizer state (stage 1), and the averaged gradient (stage 2), of one
-1/N slice of the parameters. Parameters stay whole on every rank (stage 3 shards
-them too: that is FSDP, chapter 07). Ranks must start from the same parameters.
+"""ZeRO stages 1 and 2 (Rajbhandari et al. 2020, sec. 5.1-5.2): each of N
+data-parallel ranks keeps the optimizer state (stage 1), and the averaged gradient
+(stage 2), of one 1/N slice of the parameters; parameters stay whole on every rank.
 
     opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)  # ZeRO-1
     loss.backward(); <all-reduce the gradients, op=AVG>; opt.step()
-    ShardedOptimizer(..., reduce_scatter_gradients=True)  # step() averages them
     ShardedOptimizer(..., stage=2, bucket_mb=1)  # averaged during backward
 
-Layout: each param group's trainable parameters are copied into one flat buffer and
-become views into it (same values, shapes and objects; so one ShardedOptimizer per
-parameter). The buffer is zero-padded to N*s elements, s = ceil(numel / N), and
-rank r owns [r*s, (r+1)*s): exactly 1/N of the state, the paper's picture. Whole
-parameters per rank (PyTorch's ZeroRedundancyOptimizer) need no padding but can
-leave one rank a far larger share. A group added later gets its own buffer, so the
-others are not re-sharded.
-
-Gradients, by mode (the reduce-scatter, bucket by bucket: zero_buckets.py):
-- stage 1 (default): `p.grad` already holds the average over ranks; `step()` reads
-  its slice, updates it, all-gathers the parameters: each rank sends (N-1)*s.
-  The all-gather is `gather`: "all_gather" (the default on NCCL) or "broadcast",
-  N broadcasts side by side, one from each slice's owner, as PyTorch's
-  ZeroRedundancyOptimizer does (the default on gloo, whose all-gather is a ring of
-  N-1 steps in a row): the same bytes, the traffic ledger names what was called.
-- stage 1, reduce_scatter_gradients=True: `p.grad` is this rank's own gradient;
-  `step()` first reduce-scatters it, so each rank sends 2(N-1)*s = 2(N-1)/N of
-  the (padded) parameters, as data parallelism's all-reduce does (paper, sec. 7).
-- stage 2: post-accumulate-grad hooks reduce-scatter each bucket during backward
-  and free its full gradients: after backward every `p.grad` is None and each rank
-  holds only its averaged slice, which `step()` consumes (backward twice before a
-  step accumulates into it, as into `p.grad`). Accumulating k micro-batches, it
-  sends k reduce-scatters a step for 1/N of the gradient memory; stage 1 after
-  DataParallel's no_sync() sends one all-reduce and holds every gradient whole.
-
-The update is element-wise on flat slices, so `optimizer_cls` must be too (SGD,
-Adam, AdamW, ...): one that looks at a tensor's shape or norm (LAMB, Adafactor)
-would change.
-
-A parameter that got no gradient in a step (`.grad` None at step() in stage 1; none
-in a backward since the last step() or zero_grad() in stage 2) is not stepped, as
-in torch.optim: its values and its state elements (Adam's m and v, SGD's momentum,
-an OffloadedOptimizer's master copy) stay bit for bit, whatever the weight decay:
-they are put back after the slice's step. Ranks decide alone: all must use the same
-parameters in a step, as DDP and ZeroRedundancyOptimizer assume. Unlike torch.optim,
-the state is the slice's: a step counter (Adam's bias correction) counts the slice's
-steps, also for a parameter skipped in some; a parameter never stepped holds zeros
-in the state (memory like the others; `state_dict()` leaves them out, as torch.optim
-has none); state born in a step that skips a parameter starts at zero for it (where
-Adam's, and SGD's without dampening, start): an optimizer that keeps a master copy
-of the weights in its state must create it before the first step.
+Imports labkit.probe, zero_buckets and zero_state. The parameters become views into
+one flat buffer per param group, so `optimizer_cls` must be element-wise (no LAMB).
 """
 
 from __future__ import annotations
@@ -108,7 +66,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     the slice's (Adam: m and v of s elements per group, plus a step counter).
     `state_dict()` is collective and returns what `optimizer_cls` itself would
     save; `load_state_dict` takes either, on any number of ranks. `gather` picks
-    the parameters' all-gather: "all_gather" or "broadcast" (see the module).
+    the parameters' all-gather: "all_gather" (NCCL's default) or "broadcast", N
+    broadcasts side by side, one from each slice's owner (gloo's default).
+
+    torch.distributed.optim.ZeroRedundancyOptimizer's role (ZeRO-1), plus stage
+    2; unlike it, each rank owns an equal 1/N slice of one zero-padded flat
+    buffer, not whole parameters, and a slice's state counts the slice's steps.
     """
 
     def __init__(self, params, optimizer_cls: type[torch.optim.Optimizer], *,
@@ -149,6 +112,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -- layout -----------------------------------------------------------------
 
     def add_param_group(self, param_group: dict) -> None:
+        """torch.optim's, and: the group's trainable parameters move into a flat
+        buffer of their own (a group added later re-shards none of the others),
+        and this rank's slice of it becomes a group of the inner optimizer."""
         super().add_param_group(param_group)
         g = self.param_groups[-1]
         grp = self._flatten([p for p in g["params"] if p.requires_grad])
@@ -178,7 +144,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("a param group's parameters must share one dtype: "
                              "put each dtype in its own group")
         numel = sum(p.numel() for p in params)
-        s = math.ceil(numel / n)
+        s = math.ceil(numel / n)  # zero-padded to N*s: rank r owns [r*s, (r+1)*s)
         like = params[0] if params else torch.empty(0)
         flat = like.new_zeros(n * s)
         offset, o = {}, 0
@@ -258,6 +224,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Step `optimizer_cls` on this rank's slice of each group's averaged
+        gradient (reduce-scattered here first with reduce_scatter_gradients in
+        stage 1), then all-gather every rank's updated slice into the parameters.
+        A parameter without a gradient keeps its values and state bit for bit."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -278,6 +248,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner.step()
         for i, piece, gaps, saved in held:  # put the skipped elements back
             for k, t in self._elementwise(i, piece).items():
+                # state born in this step starts at zero for a skipped parameter
+                # (where Adam's starts): an optimizer that keeps a master copy in
+                # its state must make it before the first step
                 for n, (a, b) in enumerate(gaps):  # state born in this step: zero
                     t[a:b].copy_(saved[k][n]) if k in saved else t[a:b].zero_()
         for inner in self.inner.param_groups:
