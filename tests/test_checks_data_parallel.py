@@ -106,14 +106,20 @@ def _flush_gathers(grads, world_size):
 
 
 def _flush_labkit(grads, world_size):
-    from labkit.parallel.data_parallel_buckets import pack, unpack
+    from labkit.parallel.buckets import Bucket
 
-    flat = pack(grads)  # labkit's own bucket packing
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g
+    bucket = Bucket(0, params, [])
+    flat, _ = bucket.to_send()  # labkit's own bucket: the .grads become its views
     work = dist.all_reduce(flat, async_op=True)
 
     def finish():
         work.wait()
-        unpack(flat.div_(world_size), grads)
+        flat.div_(world_size)
+        for g, p in zip(grads, params):
+            g.copy_(p.grad)
     return finish
 
 
@@ -194,7 +200,7 @@ def test_flush_right_passes_and_the_stub_is_not_written(cluster, capsys):
     (_flush_float64, r"rank 0, bucket 0 .*: the all-reduce carried 144 bytes for 18 "
                      r"elements, 8 bytes each; .* float32"),
     (_flush_labkit, r"rank 0: your answer calls labkit.parallel."
-                    r"data_parallel_buckets.pack, labkit's own data parallelism"),
+                    r"buckets.Bucket.__post_init__, labkit's own data parallelism"),
     (_flush_no_mean, r"rank 0, bucket 0, tensor '2.bias', element \[\d\]: got .*, "
                      r"expected the mean over ranks .*; that is 4x the mean"),
     (_flush_not_copied_back, r"rank 0, bucket 0, tensor '2.bias', .*this rank's own "
@@ -471,10 +477,9 @@ def _n_buckets_at_most(tensor_bytes, bucket_mb):  # never exceeds the cap
 
 
 def _n_buckets_labkit(tensor_bytes, bucket_mb):
-    from labkit.parallel.data_parallel_buckets import make_buckets
+    from labkit.parallel.buckets import fill
 
-    named = [(str(i), torch.empty(b // 4)) for i, b in enumerate(tensor_bytes)]
-    return len(make_buckets(named, bucket_mb * 2**20))
+    return len(fill([torch.empty(b // 4) for b in tensor_bytes], bucket_mb * 2**20))
 
 
 MIB = 2**20
@@ -499,8 +504,8 @@ def test_bucket_count_right_passes(capsys):
     (lambda t, mb: _n_buckets(t, mb) - 1, r"one bucket short"),
     (lambda t, mb: float("nan"), r"returned nan: return a whole number"),
     (lambda t, mb: 3, r"= 3, but DDP's rule makes"),  # the old measured answer
-    (_n_buckets_labkit, r"your answer calls labkit.parallel.data_parallel_buckets"
-                        r".make_buckets, labkit's own bucket builder"),
+    (_n_buckets_labkit, r"your answer calls labkit.parallel.buckets.fill, "
+                        r"labkit's own bucket builder"),
 ])
 def test_bucket_count_mistakes_are_named(fn, message):
     with pytest.raises(ExerciseError, match=message):

@@ -384,15 +384,63 @@ def test_misuse_on_ranks_raises_clear_errors_and_hooks_go_away(cluster):
 
 
 def test_first_bucket_cap_starts_the_first_all_reduce_early():
-    from labkit.parallel.data_parallel import make_buckets
+    from labkit.parallel.buckets import fill
 
     mib = 2**20
-    sizes = [("a", 2 * mib), ("b", 3 * mib), ("c", 1 * mib), ("d", 1 * mib)]
-    named = [(n, torch.empty(b // 4)) for n, b in sizes]
-    plain = make_buckets(named, cap=4 * mib)
-    early = make_buckets(named, cap=4 * mib, first_cap=1 * mib)
-    assert [b.names for b in plain] == [["a", "b"], ["c", "d"]]
-    assert [b.names for b in early] == [["a"], ["b", "c"], ["d"]]
+    sizes = {"a": 2 * mib, "b": 3 * mib, "c": 1 * mib, "d": 1 * mib}
+    tensors = {n: torch.empty(b // 4) for n, b in sizes.items()}
+    names = {id(t): n for n, t in tensors.items()}
+    plain = fill(list(tensors.values()), cap=4 * mib)
+    early = fill(list(tensors.values()), cap=4 * mib, first_cap=1 * mib)
+    assert [[names[id(t)] for t in g] for g in plain] == [["a", "b"], ["c", "d"]]
+    assert [[names[id(t)] for t in g] for g in early] == [["a"], ["b", "c"], ["d"]]
+
+
+def _views(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    dp = DataParallel(model, bucket_mb=1.0)  # one bucket of all four
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for step, set_to_none in enumerate((True, True, False, False)):
+        model.zero_grad(set_to_none=set_to_none)
+        dp(x).square().sum().backward()
+        dp.finish_gradient_synchronization()
+        grads = [p.grad for p in model.parameters()]
+        out[step] = {"storages": {g.untyped_storage().data_ptr() for g in grads},
+                     "kept": [g.clone() for g in grads], "held": grads}
+    kept_nothing = []  # then steps keeping no .grad: the buffer is used again
+    for _ in range(3):  # (a new one is made before the old is let go: a new address)
+        model.zero_grad(set_to_none=True)
+        dp(x).square().sum().backward()
+        dp.finish_gradient_synchronization()
+        kept_nothing.append(model[0].weight.grad.untyped_storage().data_ptr())
+    return kept_nothing, {k: {"storages": v["storages"], "kept": v["kept"],
+                              "held": [g.clone() for g in v["held"]]}
+                          for k, v in out.items()}
+
+
+def test_a_buckets_grads_are_views_of_one_buffer_and_kept_ones_stay_put(cluster):
+    """As DDP's gradient_as_bucket_view: after finish, a bucket's .grads share one
+    buffer (sent as it is: no packing copy, no copy back); a .grad someone kept
+    from the last step is left alone after zero_grad(set_to_none=True), as with
+    torch's own .grads, and the buffer is used again once nobody holds them; with
+    set_to_none=False the buffer is summed into in place."""
+    for rank, (kept_nothing, out) in enumerate(cluster.run(_views)):
+        assert len(set(kept_nothing)) == 1, (
+            f"rank {rank}: with no .grad kept, zero_grad(set_to_none=True) steps "
+            f"used {len(set(kept_nothing))} buffers; expected the same one")
+        for step, o in out.items():
+            assert len(o["storages"]) == 1, (
+                f"rank {rank}, step {step}: the bucket's 4 .grads live in "
+                f"{len(o['storages'])} storages; expected 1")
+            for kept, held in zip(o["kept"], o["held"]):  # held at the end
+                torch.testing.assert_close(held, kept, rtol=0, atol=0)
+        new = [out[s]["storages"] != out[s - 1]["storages"] for s in (1, 2, 3)]
+        assert new == [True, False, False], (  # zero_grad before steps 1, 2, 3:
+            f"rank {rank}: a new buffer at steps 1-3: {new}; expected one after "
+            "the set_to_none=True zero_grad, the same buffer after each "
+            "set_to_none=False one")
 
 
 # -- checkpointed blocks (issue 20): a reentrant checkpoint runs a backward inside ours

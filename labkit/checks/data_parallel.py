@@ -28,7 +28,7 @@ __all__ = ["check_bucket_count", "check_bucket_flush", "check_bytes_per_step",
            "check_uneven_shards"]
 
 # labkit's own data parallelism (buckets, packing) and rings: never the answer
-_OWN = ("labkit.parallel.data_parallel", "labkit.parallel.data_parallel_buckets",
+_OWN = ("labkit.parallel.data_parallel", "labkit.parallel.buckets",
         "labkit.comm.collectives")
 _FLUSH_BUCKETS = (("2.bias", "2.weight"), ("0.bias", "0.weight"))  # backward order
 

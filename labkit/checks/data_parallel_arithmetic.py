@@ -136,7 +136,7 @@ def check_bytes_per_step(fn, measured: dict | None = None) -> bool:
 # ------------------------------------------------------------ DDP's buckets
 
 _OWN_BUCKETS = ("labkit.parallel.data_parallel",
-                "labkit.parallel.data_parallel_buckets", "labkit.parallel.zero_buckets",
+                "labkit.parallel.buckets", "labkit.parallel.zero_buckets",
                 "labkit.checks.data_parallel_arithmetic:_bucket_count")
 
 

@@ -248,7 +248,7 @@ def _zero1_calls(where: str, calls, n: int, s: int) -> None:
 # ---------------------------------------------------- ZeRO-2's gradient peak
 
 _OWN_PEAK = ("labkit.theory.zero", "labkit.parallel.zero_buckets",
-             "labkit.parallel.data_parallel_buckets", "labkit.checks.zero:_buckets",
+             "labkit.parallel.buckets", "labkit.checks.zero:_buckets",
              "labkit.checks.zero:_zero2_peak")
 
 

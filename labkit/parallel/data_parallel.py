@@ -6,7 +6,7 @@ average their gradients before the optimizer step.
     loss_fn(dp(x), y).backward()            # overlap: all-reduces start here
     dp.finish_gradient_synchronization(); opt.step()    # wait and average; step
 
-Imports labkit.parallel's guards and data_parallel_buckets, and labkit.probe. Unlike
+Imports labkit.parallel's guards and buckets, and labkit.probe. Unlike
 DDP, the average is awaited by that explicit call, not at the end of backward.
 """
 
@@ -22,14 +22,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from labkit.parallel import guards
-from labkit.parallel.data_parallel_buckets import (
-    Bucket,
-    make_buckets,
-    pack,
-    pack_bits,
-    unpack,
-    unpack_bits,
-)
+from labkit.parallel.buckets import Bucket, fill, pack_bits, unpack_bits
 from labkit.probe import Span, Spans, completed_at, count_as, phase
 
 
@@ -91,7 +84,9 @@ class DataParallel(torch.nn.Module):
         self.param_ids = frozenset(id(p) for _, p in trainable)
         cap = None if bucket_mb is None else bucket_mb * 2**20
         first = None if first_bucket_mb is None else first_bucket_mb * 2**20
-        self._buckets = make_buckets(trainable[::-1], cap, first)
+        names = {id(p): n for n, p in trainable}
+        self._buckets = [Bucket(i, ps, [names[id(p)] for p in ps]) for i, ps in
+                         enumerate(fill([p for _, p in trainable[::-1]], cap, first))]
         self._names = [n for b in self._buckets for n in b.names]  # by index
         self._used = bytearray(len(self._names))  # backward reached it this step
         self._next = 0  # the next bucket to send (in order, as DDP)
@@ -194,12 +189,12 @@ class DataParallel(torch.nn.Module):
             for b in self._buckets:
                 b.work.wait()
                 self._spans.comm(f"{op} bucket {b.index}", b.issued, b.done.wait(),
-                                 b.flat.nbytes)
+                                 b.sent.nbytes)
                 self._average(b)
             problem = self._usage_problem(*check) if check else None
         finally:
             for b in self._buckets:
-                b.grads = b.flat = b.gathered = b.work = b.done = None
+                b.sent = b.gathered = b.work = b.done = None
                 b.ready = 0
             self._used[:] = bytes(len(self._used))
             self._next = 0
@@ -285,27 +280,19 @@ class DataParallel(torch.nn.Module):
         """Send bucket b. Every rank sends every bucket, in order, once a step: a
         gradient this rank did not make goes as zeros (its part of the sum)."""
         self._next = b.index + 1
-        b.grads = [p.grad for p in b.params]  # None: not made here, left as is
-        if all(g is not None for g in b.grads):
-            b.flat = pack(b.grads)
-        else:
-            b.flat = torch.zeros(sum(p.numel() for p in b.params),
-                                 dtype=b.params[0].dtype, device=b.params[0].device)
-            for g, part in zip(b.grads, b.flat.split([p.numel() for p in b.params])):
-                if g is not None:
-                    part.copy_(g.reshape(-1))
-        if b.flat is not b.grads[0]:  # a packed copy to send: a buffer (Temp)
-            count_as(b.flat, "Temp")
+        b.sent, new = b.to_send()
+        if new:  # the bucket's flat gradients (kept), or a lone gradient's copy
+            count_as(b.sent, "Gradient" if b.sent is b.flat else "Temp")
         b.issued = time.perf_counter()
         if self.mode == "parameter_server":
-            b.gathered = ([torch.empty_like(b.flat) for _ in range(self.world_size)]
+            b.gathered = ([torch.empty_like(b.sent) for _ in range(self.world_size)]
                           if self.rank == 0 else None)
             for t in b.gathered or ():
                 count_as(t, "Temp")  # receive buffers for the workers' gradients
-            b.work = dist.gather(b.flat, b.gathered, group=self.group, group_dst=0,
+            b.work = dist.gather(b.sent, b.gathered, group=self.group, group_dst=0,
                                  async_op=True)
         else:
-            b.work = dist.all_reduce(b.flat, group=self.group, async_op=True)
+            b.work = dist.all_reduce(b.sent, group=self.group, async_op=True)
         # completion time: the future's callback runs on the thread that finishes it
         b.done = b.work.get_future().then(completed_at)
 
@@ -315,17 +302,11 @@ class DataParallel(torch.nn.Module):
                 for p in b.params:
                     p.grad = None
                 return
-            total = b.gathered[0]
+            b.sent.copy_(b.gathered[0])
             for g in b.gathered[1:]:  # in rank order
-                total += g
-            b.flat = total
-        b.flat.div_(self.world_size)  # sum -> mean: each rank's loss is a mean
-        if all(g is not None for g in b.grads):
-            unpack(b.flat, b.grads)
-        else:  # a parameter no rank used keeps its None (the check says if not)
-            for g, part in zip(b.grads, b.flat.split([p.numel() for p in b.params])):
-                if g is not None:
-                    g.copy_(part.view(g.shape))
+                b.sent += g
+        b.sent.div_(self.world_size)  # sum -> mean: each rank's loss is a mean
+        b.received(b.sent)  # the .grads are views of what was sent, or get a copy
 
     # -- the usage check ---------------------------------------------------------
 

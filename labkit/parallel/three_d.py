@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.parallel.data_parallel import pack, unpack
+from labkit.parallel.buckets import Bucket
 from labkit.parallel.models import TinyGPT, TransformerLayer, lm_loss
 from labkit.parallel.pipeline_parallel import PipelineParallel, split_layers
 from labkit.parallel.sequence_parallel import ParallelTransformerLayer
@@ -62,6 +62,7 @@ class ThreeD(nn.Module):
             raise ValueError(f"heads = {model.heads} cannot be split over tp = "
                              f"{groups.tp_size} ranks: each needs whole heads")
         self.groups = groups
+        self._bucket: Bucket | None = None  # the gradients, sync_gradients's
         self.pipe = PipelineParallel(stage_layers(model, groups, balance),
                                      microbatches=microbatches, loss_fn=lm_loss,
                                      schedule=schedule, group=groups.pp_group,
@@ -96,11 +97,14 @@ class ThreeD(nn.Module):
         g = self.groups
         if g.dp_size == 1:
             return
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        flat = pack(grads)  # DataParallel's naive mode with one bucket
+        params = [p for p in self.parameters() if p.grad is not None]
+        if self._bucket is None or [id(p) for p in self._bucket.params] != [
+                id(p) for p in params]:  # the first step's, or other gradients
+            self._bucket = Bucket(0, params, [])
+        flat, _ = self._bucket.to_send()  # DataParallel's naive mode, one bucket
         dist.all_reduce(flat, group=g.dp_group)
         flat /= g.dp_size
-        unpack(flat, grads)
+        self._bucket.received(flat)
 
     def extra_repr(self) -> str:
         return f"{self.groups}: {self.groups.coords()}"

@@ -15,28 +15,31 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from labkit.parallel.buckets import fill
 from labkit.parallel.reduce_scatter import send_chunks, sum_chunks
 
 
 @dataclass(eq=False)
 class Bucket:
-    start: int  # a range of a group's flat buffer: whole parameters (+ padding)
+    """A range of a group's flat buffer, whole parameters (+ padding): the
+    gradients reduce-scattered together, through one temporary buffer of the
+    bucket's size (the gradients are freed after it, as DeepSpeed's ZeRO-2 frees
+    them after its bucket: views into a persistent buffer would keep them all)."""
+
+    start: int
     end: int
     params: list
     ready: int = 0  # parameters whose gradient has arrived in this backward
 
 
 def make_buckets(params: list, offset: dict, end: int, cap: int) -> list[Bucket]:
-    """Whole parameters, at least `cap` elements a bucket, last first (backward's
-    order). The last bucket runs to `end`, padding included, so that every rank
-    sends (N-1)*s elements."""
-    out, size, members = [], 0, []
-    for p in reversed(params):
-        members.append(p)
-        size += p.numel()
-        if size >= cap or p is params[0]:
-            out.append(Bucket(offset[p], end, members))
-            end, size, members = offset[p], 0, []
+    """Whole parameters, at least `cap` elements a bucket (buckets.fill's rule),
+    last first (backward's order). The last bucket runs to `end`, padding
+    included, so that every rank sends (N-1)*s elements."""
+    out = []
+    for members in fill(params[::-1], cap, size=lambda p: p.numel()):
+        out.append(Bucket(offset[members[-1]], end, members))
+        end = offset[members[-1]]
     return out
 
 
