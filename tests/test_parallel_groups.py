@@ -95,7 +95,7 @@ def test_groups_on_four_ranks(cluster, tp, pp, dp, cp):
             assert r["fields"][f"{d}_rank"] == c[d]
         cps = f"-CP({cp})" if cp > 1 else ""
         assert r["str"] == f"TP({tp}){cps}-PP({pp})-DP({dp})-Rank({rank})"
-        assert r["fields"]["rank"] == rank and r["fields"]["world_size"] == 4
+        assert r["fields"]["global_rank"] == rank and r["fields"]["world_size"] == 4
 
 
 def test_str_shows_sizes_and_repr_coordinates(cluster):

@@ -104,8 +104,8 @@ def _layer_bytes(rank, world_size, s: dict) -> dict:
         ep(x).backward(dy)
     st = ep.stats
     return {"ledger": t.sum("bus_bytes", op="all_to_all"), "tokens": st.tokens,
-            "sent_away": sum(st.sent) - st.sent[st.rank],
-            "received_away": sum(st.received) - st.received[st.rank],
+            "sent_away": sum(st.sent) - st.sent[st.ep_rank],
+            "received_away": sum(st.received) - st.received[st.ep_rank],
             "element_size": st.element_size}
 
 

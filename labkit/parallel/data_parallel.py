@@ -70,8 +70,8 @@ class DataParallel(torch.nn.Module):
         self.module, self.mode, self.bucket_mb = module, mode, bucket_mb
         self.broadcast_buffers = broadcast_buffers
         self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
+        self.dp_rank = dist.get_rank(self.group)
+        self.dp_size = dist.get_world_size(self.group)
         guards.check_devices(module, self.group, "DataParallel")
 
         unique: dict[int, tuple[str, torch.nn.Parameter]] = {}  # tied: synced once
@@ -154,9 +154,9 @@ class DataParallel(torch.nn.Module):
         if self._pending:
             return ("DataParallel: call finish_gradient_synchronization() before "
                     "optimizer.step(): this rank's gradients are not yet averaged "
-                    f"over the {self.world_size} ranks")
-        if self.mode == "parameter_server" and self.rank != 0:
-            return (f"DataParallel(mode='parameter_server'): rank {self.rank} is a "
+                    f"over the {self.dp_size} ranks")
+        if self.mode == "parameter_server" and self.dp_rank != 0:
+            return (f"DataParallel(mode='parameter_server'): rank {self.dp_rank} is a "
                     "worker; only rank 0, the server, calls optimizer.step(). "
                     "Workers call broadcast_parameters() to receive its weights.")
         return None
@@ -214,15 +214,15 @@ class DataParallel(torch.nn.Module):
         A star, as from a parameter server: the server sends each worker the whole
         model ((N-1)x the bytes: a scatter of N copies); a worker receives it once.
         """
-        n = self.world_size
+        n = self.dp_size
         for b in self._buckets:
             sizes = [p.numel() for p in b.params]
             flat = torch.cat([p.reshape(-1) for p in b.params])  # rank 0: the source
             out = torch.empty_like(flat)
             with self._spans.timed(f"scatter bucket {b.index}", n * flat.nbytes):
-                dist.scatter(out, [flat] * n if self.rank == 0 else None,
+                dist.scatter(out, [flat] * n if self.dp_rank == 0 else None,
                              group=self.group, group_src=0)
-            if self.rank != 0:
+            if self.dp_rank != 0:
                 for p, v in zip(b.params, out.split(sizes)):
                     p.copy_(v.view(p.shape))
         self._awaiting_weights = False
@@ -234,7 +234,7 @@ class DataParallel(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"mode={self.mode!r}, bucket_mb={self.bucket_mb}, "
-                f"buckets={len(self._buckets)}, world_size={self.world_size}")
+                f"buckets={len(self._buckets)}, dp_size={self.dp_size}")
 
     # -- backward ----------------------------------------------------------------
 
@@ -280,13 +280,11 @@ class DataParallel(torch.nn.Module):
         """Send bucket b. Every rank sends every bucket, in order, once a step: a
         gradient this rank did not make goes as zeros (its part of the sum)."""
         self._next = b.index + 1
-        b.sent, new = b.to_send()
-        if new:  # the bucket's flat gradients (kept), or a lone gradient's copy
-            count_as(b.sent, "Gradient" if b.sent is b.flat else "Temp")
+        b.sent, _ = b.to_send()  # the .grads' flat buffer, or a lone gradient
         b.issued = time.perf_counter()
         if self.mode == "parameter_server":
-            b.gathered = ([torch.empty_like(b.sent) for _ in range(self.world_size)]
-                          if self.rank == 0 else None)
+            b.gathered = ([torch.empty_like(b.sent) for _ in range(self.dp_size)]
+                          if self.dp_rank == 0 else None)
             for t in b.gathered or ():
                 count_as(t, "Temp")  # receive buffers for the workers' gradients
             b.work = dist.gather(b.sent, b.gathered, group=self.group, group_dst=0,
@@ -298,14 +296,14 @@ class DataParallel(torch.nn.Module):
 
     def _average(self, b: Bucket) -> None:
         if self.mode == "parameter_server":
-            if self.rank != 0:  # a worker does not hold the average
+            if self.dp_rank != 0:  # a worker does not hold the average
                 for p in b.params:
                     p.grad = None
                 return
             b.sent.copy_(b.gathered[0])
             for g in b.gathered[1:]:  # in rank order
                 b.sent += g
-        b.sent.div_(self.world_size)  # sum -> mean: each rank's loss is a mean
+        b.sent.div_(self.dp_size)  # sum -> mean: each rank's loss is a mean
         b.received(b.sent)  # the .grads are views of what was sent, or get a copy
 
     # -- the usage check ---------------------------------------------------------
@@ -313,10 +311,10 @@ class DataParallel(torch.nn.Module):
     def _issue_check(self):
         """Start the all-gather of every rank's bitmask of the parameters its
         backward reached; (work, masks), or None with nothing to compare."""
-        if self.world_size == 1 or not self._names:
+        if self.dp_size == 1 or not self._names:
             return None
         mine = pack_bits(self._used).to(self._buckets[0].params[0].device)
-        masks = [torch.empty_like(mine) for _ in range(self.world_size)]
+        masks = [torch.empty_like(mine) for _ in range(self.dp_size)]
         for t in (mine, *masks):
             count_as(t, "Temp")
         with phase(self.CHECK_PHASE):

@@ -165,7 +165,7 @@ class MoEStats:
     sent: tuple[int, ...]  # (ep,) rows dispatched to each rank of the group
     received: tuple[int, ...]  # (ep,) rows received from each rank
     expert_rows: tuple[int, ...]  # (E/ep,) rows each of this rank's experts ran
-    rank: int  # in the expert group
+    ep_rank: int  # this rank's place in the expert group
     hidden: int
     element_size: int
     cross_node_rows: int = 0  # rows dispatched to ranks on other nodes
@@ -178,13 +178,13 @@ class MoEStats:
     def dispatch_bytes(self) -> int:
         """Bytes the dispatch sends to other ranks (forward; the combine's
         backward sends as many)."""
-        return self._bytes(sum(self.sent) - self.sent[self.rank])
+        return self._bytes(sum(self.sent) - self.sent[self.ep_rank])
 
     @property
     def combine_bytes(self) -> int:
         """Bytes the combine sends back to other ranks (forward; the dispatch's
         backward sends as many)."""
-        return self._bytes(sum(self.received) - self.received[self.rank])
+        return self._bytes(sum(self.received) - self.received[self.ep_rank])
 
     @property
     def layer_bytes(self) -> int:
@@ -195,7 +195,7 @@ class MoEStats:
         """'rank 0: 16 tokens, 32 pairs kept (0 dropped); rows sent (8, 8, 8, 8),
         received (8, 8, 8, 8); its experts ran (16, 16)'"""
         kept = sum(self.routed) - self.dropped
-        return (f"rank {self.rank}: {self.tokens} tokens, {kept} pairs kept "
+        return (f"rank {self.ep_rank}: {self.tokens} tokens, {kept} pairs kept "
                 f"({self.dropped} dropped); rows sent {self.sent}, received "
                 f"{self.received}; its experts ran {self.expert_rows}")
 
@@ -254,19 +254,19 @@ class ExpertParallelMoE(nn.Module):
                  group=None, *, capacity_factor: float | None = None,
                  ranks_per_node: int | None = None):
         super().__init__()
-        self.group, self.ep = group, dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        if num_experts % self.ep:
-            raise ValueError(f"{num_experts} experts do not split over the {self.ep}"
-                             " ranks of the expert group: each rank must hold "
-                             "E/ep whole experts")
-        if len(experts) != num_experts // self.ep:
+        self.group, self.ep_size = group, dist.get_world_size(group)
+        self.ep_rank = dist.get_rank(group)
+        if num_experts % self.ep_size:
+            raise ValueError(f"{num_experts} experts do not split over the "
+                             f"{self.ep_size} ranks of the expert group: each "
+                             "rank must hold E/ep whole experts")
+        if len(experts) != num_experts // self.ep_size:
             raise ValueError(f"{len(experts)} local experts given, E/ep = "
-                             f"{num_experts // self.ep} expected")
-        self.ranks_per_node = ranks_per_node or self.ep
-        if self.ep % self.ranks_per_node:
+                             f"{num_experts // self.ep_size} expected")
+        self.ranks_per_node = ranks_per_node or self.ep_size
+        if self.ep_size % self.ranks_per_node:
             raise ValueError(f"{self.ranks_per_node} ranks per node do not divide "
-                             f"the expert group's {self.ep}")
+                             f"the expert group's {self.ep_size}")
         self.router, self.experts = router, experts
         self._num_experts = num_experts
         self.capacity_factor = check_capacity_factor(capacity_factor)
@@ -295,8 +295,8 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor | None = None):
         """x (..., h): this rank's tokens -> (..., h)."""
-        return _moe_forward(self, x, experts, group=self.group, ep=self.ep,
-                            rank=self.rank)
+        return _moe_forward(self, x, experts, group=self.group, ep=self.ep_size,
+                            rank=self.ep_rank)
 
 
 # -- one forward, in one process (ep = 1) or over the expert group ------------------
@@ -364,7 +364,7 @@ def _stats(layer, routing, token, expert, send, receive, got, cap, dropped, rank
     return MoEStats(
         tokens=x.shape[0], routed=tuple(routing.load().tolist()), dropped=dropped,
         capacity=cap, sent=tuple(send), received=tuple(receive),
-        expert_rows=tuple(got.sum(0).tolist()), rank=rank, hidden=x.shape[1],
+        expert_rows=tuple(got.sum(0).tolist()), ep_rank=rank, hidden=x.shape[1],
         element_size=x.element_size(), cross_node_rows=int(away.sum()),
         cross_node_tokens=int(torch.unique(token[away] * nodes + node[away]).numel()))
 

@@ -57,8 +57,8 @@ class FullyShardedDataParallel(torch.nn.Module):
         self.module, self.prefetch = module, prefetch
         self.compute_dtype = compute_dtype
         self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = n = dist.get_world_size(self.group)
+        self.dp_rank = dist.get_rank(self.group)
+        self.dp_size = n = dist.get_world_size(self.group)
         guards.check_devices(module, self.group, "FullyShardedDataParallel")
 
         with torch.no_grad():  # every rank starts from rank 0's state
@@ -69,7 +69,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         for path, m, plist in owned:
             sharded = []
             for names, slots, p in plist:
-                sh = H.make_sharded(names, slots, p, n, self.rank,
+                sh = H.make_sharded(names, slots, p, n, self.dp_rank,
                                     compute_dtype or p.dtype)
                 for mod, attr in sh.slots:
                     mod._parameters[attr] = sh.shard
@@ -151,7 +151,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         if self._pending:
             return ("FullyShardedDataParallel: call finish_gradient_synchronization() "
                     "before optimizer.step(): this rank's shard gradients are not yet "
-                    f"reduce-scattered over the {self.world_size} ranks")
+                    f"reduce-scattered over the {self.dp_size} ranks")
         return None
 
     def set_requires_gradient_sync(self, requires: bool) -> None:
@@ -183,7 +183,7 @@ class FullyShardedDataParallel(torch.nn.Module):
             if p.requires_grad and p.grad is not None:  # None on every rank: skip
                 with self._spans.timed("all_reduce (replicated)", p.grad.nbytes):
                     dist.all_reduce(p.grad, group=self.group)
-                p.grad.div_(self.world_size)
+                p.grad.div_(self.dp_size)
         self._pending = False
         self._backward.reset()
 
@@ -194,7 +194,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         out = {}
         for u in self.sharded_units:
             for p in u.params:
-                full = p.shard.new_empty(self.world_size * p.s)
+                full = p.shard.new_empty(self.dp_size * p.s)
                 dist.all_gather_single(full, p.shard.detach(), group=self.group)
                 for name in p.names:
                     out[name] = full[:p.numel].view(p.shape).clone()
@@ -210,7 +210,7 @@ class FullyShardedDataParallel(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"units={len(self.sharded_units)}, replicated={len(self._replicated)}, "
-                f"world_size={self.world_size}, prefetch={self.prefetch}, "
+                f"dp_size={self.dp_size}, prefetch={self.prefetch}, "
                 f"compute_dtype={self.compute_dtype}")
 
     # -- forward -----------------------------------------------------------------
@@ -366,7 +366,7 @@ class FullyShardedDataParallel(torch.nn.Module):
         if not send:
             return
         self._fold()  # at most one unit's reduce-scatter in flight
-        self._reductions = H.launch_reduce(send, self.group, self.world_size,
+        self._reductions = H.launch_reduce(send, self.group, self.dp_size,
                                            u.name)
 
     def _send_held(self) -> None:
@@ -377,7 +377,7 @@ class FullyShardedDataParallel(torch.nn.Module):
 
     def _fold(self) -> None:
         for r in self._reductions:
-            H.fold(r, self.world_size, self._spans)
+            H.fold(r, self.dp_size, self._spans)
         self._reductions = []
 
 

@@ -81,7 +81,7 @@ class ParallelGroups:
     """This rank's coordinates in the grid, and its groups (ProcessGroups) and
     their global ranks. Build it with `ParallelGroups.build(...)` on every rank."""
 
-    rank: int  # global rank
+    global_rank: int  # dist.get_rank(): this rank's number in the whole world
     world_size: int
     tp_size: int
     cp_size: int
@@ -157,7 +157,7 @@ class ParallelGroups:
         cp = f"-CP({self.cp_size})" if self.cp_size > 1 else ""
         ep = f"-EP({self.ep_size})" if self.ep_size > 1 else ""
         return (f"TP({self.tp_size}){cp}-PP({self.pp_size})-DP({self.dp_size})"
-                f"{ep}-Rank({self.rank})")
+                f"{ep}-Rank({self.global_rank})")
 
     def coords(self) -> str:
         """This rank's coordinate along each dimension, of its size:

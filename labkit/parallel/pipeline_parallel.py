@@ -54,6 +54,9 @@ class PipelineParallel(torch.nn.Module):
     Schedule1F1B in one object; unlike it, every rank passes the whole model
     (or its layers) and keeps its own stage, `step(x, target)` takes the batch
     on every rank and returns the mean loss on the last stage.
+
+    `pp_size` is the number of stages (the ranks of `group`); `stage` is this
+    rank's stage index, its pp rank (its rank in `group`).
     """
 
     def __init__(self, layers, *, microbatches: int, loss_fn, schedule: str = "1f1b",
@@ -68,19 +71,20 @@ class PipelineParallel(torch.nn.Module):
                              f"ranks (the simulator has more), not {schedule!r}")
         m = whole(microbatches, "microbatches")
         self.group = group if group is not None else dist.group.WORLD
-        self.p, self.stage = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.pp_size = dist.get_world_size(self.group)
+        self.stage = dist.get_rank(self.group)  # this rank's pp rank
         if self.stage < 0:
             raise ValueError("this rank is not in the pipeline's process group")
         seq = (layers if isinstance(layers, torch.nn.Sequential)
                else torch.nn.Sequential(*layers))
-        lo, hi = split_layers(len(seq), self.p, balance)[self.stage]
+        lo, hi = split_layers(len(seq), self.pp_size, balance)[self.stage]
         self.module = seq[lo:hi]  # a Sequential slice keeps the layers' names
         self.layers = (lo, hi)
         self.microbatches, self.loss_fn, self.schedule = m, loss_fn, schedule
-        self.order = stage_order(schedule, self.p, m, self.stage)
+        self.order = stage_order(schedule, self.pp_size, m, self.stage)
         peer = lambda s: dist.get_global_rank(self.group, s)
         self.prev = peer(self.stage - 1) if self.stage > 0 else None
-        self.next = peer(self.stage + 1) if self.stage < self.p - 1 else None
+        self.next = peer(self.stage + 1) if self.stage < self.pp_size - 1 else None
         self._spans = Spans()  # the last step's, for `events`
         self._sends: list = []  # (work, tensor, name, start) of sends in flight
         self._shapes: dict = {}  # micro-batch shape of x -> (input shape, dtype)
@@ -99,14 +103,14 @@ class PipelineParallel(torch.nn.Module):
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.p - 1
+        return self.stage == self.pp_size - 1
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("PipelineParallel runs whole steps: call "
                            "pipe.step(x, target), not pipe(x)")
 
     def extra_repr(self) -> str:
-        return (f"stage={self.stage} of {self.p}, layers=[{self.layers[0]}, "
+        return (f"stage={self.stage} of {self.pp_size}, layers=[{self.layers[0]}, "
                 f"{self.layers[1]}), schedule={self.schedule!r}, "
                 f"microbatches={self.microbatches}")
 

@@ -133,7 +133,7 @@ def save_sharded(path, model: torch.nn.Module, optimizer=None, *, step: int = 0
 
 def _ours(fsdp: FullyShardedDataParallel, optimizer) -> dict:
     entries = _entries(fsdp)
-    mesh, r = _mesh(fsdp, entries), fsdp.rank
+    mesh, r = _mesh(fsdp, entries), fsdp.dp_rank
     model, layout = {}, {"shapes": {}, "tied": {}}
     for e in entries.values():
         t = e.tensor.detach()
@@ -207,7 +207,7 @@ def load_sharded(path, model: torch.nn.Module, optimizer=None) -> int:
 
 def _load_ours(path, md, objects, layout, fsdp, optimizer) -> None:
     entries = _entries(fsdp)
-    mesh, r = _mesh(fsdp, entries), fsdp.rank
+    mesh, r = _mesh(fsdp, entries), fsdp.dp_rank
     by_name = {e.names[0]: e for e in entries.values()}
     saved = {n: tuple(s) for n, s in layout["shapes"].items()}
     saved.update({alias: saved[n] for alias, n in layout["tied"].items()})

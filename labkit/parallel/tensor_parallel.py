@@ -111,18 +111,19 @@ class ColumnParallelLinear(nn.Module):
                  bias: bool = True, gather_output: bool = False,
                  sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.tp, self.tp_rank = _group_of(group, "ColumnParallelLinear")
+        self.group, self.tp_size, self.tp_rank = _group_of(
+            group, "ColumnParallelLinear")
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output=True and "
                              "sequence_parallel=True do not go together (the "
                              "output of a sequence-parallel pair stays split)")
         self.in_features, self.out_features = in_features, out_features
-        self.out_per_rank = divide(out_features, self.tp, "out_features")
+        self.out_per_rank = divide(out_features, self.tp_size, "out_features")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         # one process's layer (the rank holds the whole weight for a moment)
         w, b = _whole_linear(in_features, out_features, bias)
-        self.weight = _part(w, 0, self.tp_rank, self.tp)  # this rank's rows
-        self.bias = None if b is None else _part(b, 0, self.tp_rank, self.tp)
+        self.weight = _part(w, 0, self.tp_rank, self.tp_size)  # this rank's rows
+        self.bias = None if b is None else _part(b, 0, self.tp_rank, self.tp_size)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **kw) -> ColumnParallelLinear:
@@ -151,7 +152,7 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"({self.out_per_rank} on this rank of {self.tp}), "
+                f"({self.out_per_rank} on this rank of {self.tp_size}), "
                 f"bias={self.bias is not None}, gather_output={self.gather_output}, "
                 f"sequence_parallel={self.sequence_parallel}")
 
@@ -174,16 +175,16 @@ class RowParallelLinear(nn.Module):
                  bias: bool = True, input_is_parallel: bool = True,
                  sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.tp, self.tp_rank = _group_of(group, "RowParallelLinear")
+        self.group, self.tp_size, self.tp_rank = _group_of(group, "RowParallelLinear")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs "
                              "input_is_parallel=True (the input is already split)")
         self.in_features, self.out_features = in_features, out_features
-        self.in_per_rank = divide(in_features, self.tp, "in_features")
+        self.in_per_rank = divide(in_features, self.tp_size, "in_features")
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
         w, b = _whole_linear(in_features, out_features, bias)  # one process's
-        self.weight = _part(w, 1, self.tp_rank, self.tp)  # this rank's columns
+        self.weight = _part(w, 1, self.tp_rank, self.tp_size)  # this rank's columns
         self.bias = None if b is None else nn.Parameter(b)  # whole
         if self.bias is not None:
             self.bias.sequence_parallel = sequence_parallel
@@ -216,7 +217,7 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} ({self.in_per_rank} on this rank "
-                f"of {self.tp}), out_features={self.out_features}, "
+                f"of {self.tp_size}), out_features={self.out_features}, "
                 f"bias={self.bias is not None}, "
                 f"input_is_parallel={self.input_is_parallel}, "
                 f"sequence_parallel={self.sequence_parallel}")
@@ -297,7 +298,7 @@ class ParallelSelfAttention(nn.Module):
             out = cls(hidden, hidden // attn.head_dim, group, sequence_parallel,
                       attn.causal)
         out = out.to(dtype=attn.q.weight.dtype)
-        r, k = out.qkv.tp_rank, hidden // out.qkv.tp
+        r, k = out.qkv.tp_rank, hidden // out.qkv.tp_size
         mine = slice(r * k, (r + 1) * k)  # this rank's heads' features
         with torch.no_grad():
             out.qkv.weight.copy_(torch.cat([m.weight[mine]

@@ -96,7 +96,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "ShardedOptimizer needs a torch.distributed process group: create it "
                 "inside a function you run on the ranks (cluster.run(fn))")
         self.process_group = group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.dp_rank, self.dp_size = dist.get_rank(group), dist.get_world_size(group)
         self.stage, self.reduce_scatter_gradients = stage, reduce_scatter_gradients
         self._backend = dist.get_backend(group)
         # NCCL's all-gather is one kernel; gloo's is a ring of N-1 steps one after
@@ -132,7 +132,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _flatten(self, params: list) -> _Group:
-        n, r = self.world_size, self.rank
+        n, r = self.dp_size, self.dp_rank
         device = "cuda" if self._backend == "nccl" else "cpu"
         for p in params:
             if p.device.type != device:

@@ -25,7 +25,7 @@ def state_dict(opt) -> dict:
             if torch.is_tensor(v) and v.dim() == 1 and grp.s:  # per element
                 mine = v.new_zeros(grp.s)
                 mine[:v.numel()] = v
-                whole[k] = v.new_empty(opt.world_size * grp.s)
+                whole[k] = v.new_empty(opt.dp_size * grp.s)
                 dist.all_gather_single(whole[k], mine, group=opt.process_group)
                 each.add(k)
         for p in grp.params if whole else ():
