@@ -2,6 +2,8 @@
 training of the same model on the same global batch; the bytes each rank sends;
 the recorded compute/communication spans and their overlap."""
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -409,27 +411,29 @@ def _views(rank, world_size):
         grads = [p.grad for p in model.parameters()]
         out[step] = {"storages": {g.untyped_storage().data_ptr() for g in grads},
                      "kept": [g.clone() for g in grads], "held": grads}
-    kept_nothing = []  # then steps keeping no .grad: the buffer is used again
-    for _ in range(3):  # (a new one is made before the old is let go: a new address)
-        model.zero_grad(set_to_none=True)
-        dp(x).square().sum().backward()
-        dp.finish_gradient_synchronization()
-        kept_nothing.append(model[0].weight.grad.untyped_storage().data_ptr())
-    return kept_nothing, {k: {"storages": v["storages"], "kept": v["kept"],
-                              "held": [g.clone() for g in v["held"]]}
-                          for k, v in out.items()}
+    result = {k: {"storages": v["storages"], "kept": v["kept"],
+                  "held": [g.clone() for g in v["held"]]} for k, v in out.items()}
+    import weakref
+
+    del out, grads  # nothing kept now: zero_grad(set_to_none=True) frees the buffer
+    flat = weakref.ref(model[0].weight.grad._base)  # the bucket's buffer
+    model.zero_grad(set_to_none=True)
+    for _ in range(200):  # gloo's worker thread lets go of a collective's tensors
+        if flat() is None:  # a moment after it completes
+            break
+        time.sleep(0.01)
+    return flat() is None, result
 
 
 def test_a_buckets_grads_are_views_of_one_buffer_and_kept_ones_stay_put(cluster):
     """As DDP's gradient_as_bucket_view: after finish, a bucket's .grads share one
     buffer (sent as it is: no packing copy, no copy back); a .grad someone kept
     from the last step is left alone after zero_grad(set_to_none=True), as with
-    torch's own .grads, and the buffer is used again once nobody holds them; with
+    torch's own .grads, and freed with them when nobody holds them; with
     set_to_none=False the buffer is summed into in place."""
-    for rank, (kept_nothing, out) in enumerate(cluster.run(_views)):
-        assert len(set(kept_nothing)) == 1, (
-            f"rank {rank}: with no .grad kept, zero_grad(set_to_none=True) steps "
-            f"used {len(set(kept_nothing))} buffers; expected the same one")
+    for rank, (freed, out) in enumerate(cluster.run(_views)):
+        assert freed, (f"rank {rank}: zero_grad(set_to_none=True) left the bucket's "
+                       "buffer alive; torch's own .grads would be freed")
         for step, o in out.items():
             assert len(o["storages"]) == 1, (
                 f"rank {rank}, step {step}: the bucket's 4 .grads live in "

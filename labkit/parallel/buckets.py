@@ -2,7 +2,7 @@
 groups parameters in backward's order by DDP's rule, and a `Bucket` holds its
 gradients in one flat buffer that every `.grad` becomes a view into (as DDP's
 gradient_as_bucket_view), so a bucket goes on the wire without packing and its
-average is in the .grads without a copy back. Imports torch only.
+average is in the .grads without a copy back. Imports torch and labkit.probe.
 
 Also the bitmask DataParallel's usage check sends (pack_bits, unpack_bits).
 """
@@ -13,6 +13,8 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+
+from labkit.probe import count_as
 
 
 def fill(params: list, cap: float | None, first_cap: float | None = None,
@@ -37,20 +39,21 @@ def fill(params: list, cap: float | None, first_cap: float | None = None,
 
 @dataclass(eq=False)
 class Bucket:
-    """Gradients sent together: with two or more parameters, one flat buffer (made
-    at the first send, kept, like DDP's) whose slices are the .grads; a lone
-    contiguous gradient goes as it is. `sent` is what went on the wire this step."""
+    """Gradients sent together: with two or more parameters, one flat buffer whose
+    slices become the .grads (it lives as long as they do: zero_grad(set_to_none=
+    True) frees it, as it frees torch's own .grads); a lone contiguous gradient
+    goes as it is. `sent` is what went on the wire this step."""
 
     index: int
     params: list
     names: list
-    flat: torch.Tensor | None = None  # the gradients, each .grad a view of it
     ready: int = 0  # gradients ready in this backward (overlap)
     sent: torch.Tensor | None = None  # the tensor the collective carries
     gathered: list | None = None  # the server's receive buffers (parameter_server)
     work: object = None  # the async collective
     done: object = None  # future of when it completed (labkit.probe.completed_at)
     issued: float = 0.0
+    _flat: object = None  # weak ref to the buffer: its views, the .grads, hold it
     _lent: list = field(default_factory=list)  # weak refs to the .grad views made
 
     def __post_init__(self):
@@ -61,39 +64,46 @@ class Bucket:
     def to_send(self) -> tuple[torch.Tensor, bool]:
         """The tensor to send and whether it is new: the lone parameter's .grad
         itself; else the flat buffer, after each .grad not yet a view of it is
-        copied in and made one (a fresh gradient after zero_grad(set_to_none)),
-        and the slot of a parameter without a gradient is zeroed (this rank's
-        part of the sum). A parameter without a gradient keeps None."""
+        copied in and made one, and the slot of a parameter without a gradient is
+        zeroed (this rank's part of the sum; its .grad stays None)."""
         ps = self.params
         if len(ps) == 1:
             g = ps[0].grad
             if g is not None and g.is_contiguous():
                 return g, False
-            return (torch.zeros(ps[0].numel(), dtype=ps[0].dtype, device=ps[0].device)
-                    if g is None else g.reshape(-1).clone()), True
-        # the buffer is used again unless a .grad it lent out is still held by
-        # someone other than its parameter (kept from the last step: it must not
-        # change, as torch's own .grads do not), so a step after
-        # zero_grad(set_to_none=True) copies each fresh .grad in, and one after
-        # set_to_none=False finds the .grads already there, summed in place
+            copy = (torch.zeros(ps[0].numel(), dtype=ps[0].dtype, device=ps[0].device)
+                    if g is None else g.reshape(-1).clone())
+            count_as(copy, "Temp")  # made to send
+            return copy, True
+        # the last buffer is used again while its .grads live and nobody else
+        # holds one (after zero_grad(set_to_none=False): summed in place);
+        # otherwise a new one, so a .grad kept from the last step stays as it was
+        flat = self._flat() if self._flat is not None else None
         grads = {id(p.grad) for p in ps if p.grad is not None}
         self._lent = [r for r in self._lent if r() is not None]
-        new = self.flat is None or any(id(r()) not in grads for r in self._lent)
+        new = flat is None or any(id(r()) not in grads for r in self._lent)
         if new:
-            self.flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype,
-                                    device=ps[0].device)
-            self._lent = []
-        at = 0
+            flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype,
+                               device=ps[0].device)
+            self._flat, self._lent = weakref.ref(flat), []
+            count_as(flat, "Temp")  # being filled: the .grads are still theirs
+        slots, at = [], 0
         for p in ps:
-            slot = self.flat[at:at + p.numel()].view_as(p)
+            slots.append(flat[at:at + p.numel()].view_as(p))
             at += p.numel()
-            if p.grad is None:
+        moved = []
+        for p, slot in zip(ps, slots):  # every copy first, then the .grads move:
+            if p.grad is None:  # never both counted as Gradient
                 slot.zero_()
             elif p.grad.data_ptr() != slot.data_ptr() or not p.grad.is_contiguous():
                 slot.copy_(p.grad)
-                p.grad = slot
-                self._lent.append(weakref.ref(slot))
-        return self.flat, new
+                moved.append((p, slot))
+        for p, slot in moved:
+            p.grad = slot
+            self._lent.append(weakref.ref(slot))
+        if moved:
+            count_as(flat, "Gradient")
+        return flat, new
 
     def received(self, sent: torch.Tensor) -> None:
         """After the collective: where `sent` is not the .grads' storage (a lone

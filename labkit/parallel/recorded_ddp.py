@@ -13,6 +13,7 @@ import time
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_leaves
 
 from labkit.probe import Span
 
@@ -31,17 +32,26 @@ def recording_hook(events: list, bucket):
     return allreduce_hook(None, bucket).then(done)
 
 
-def record_backward(events: list, output: torch.Tensor) -> torch.Tensor:
-    """Note in `events` a "backward" Span from the moment `output`'s gradient
-    arrives to the end of autograd's pass; returns `output`."""
+def record_backward(events: list, output):
+    """Note in `events` a "backward" Span from the moment the first gradient of
+    `output` (a tensor, or a tuple, list or dict of them) arrives to the end of
+    autograd's pass; returns `output`."""
+    seen = set()  # graph tasks already timed (several outputs, one backward)
+
     def started(grad):
+        task = torch._C._current_graph_task_id()
+        if task in seen:
+            return
+        seen.add(task)
         # queued as backward starts, before DDP queues its own callback: it runs
         # before DDP waits for its buckets
         t0 = time.perf_counter()
         torch.autograd.Variable._execution_engine.queue_callback(
             lambda: events.append(Span("compute", "backward", t0,
                                        time.perf_counter())))
-    output.register_hook(started)
+    for t in tree_leaves(output):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(started)
     return output
 
 
