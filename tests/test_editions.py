@@ -121,6 +121,9 @@ def test_a_deck_cuts_a_text_cell_taller_than_the_screen_at_its_paragraphs():
     assert any("x = 1\n\ny = 2" in t for t in texts), "a code fence stays whole"
     assert all(height(p) <= 640 for p in parts[:-1])
     assert len({p["id"] for p in parts}) == len(parts)
+    both = split_tall_text(split_at_headings([_md(text + "\n\n## After\n\nEnd.")]))
+    ids = [p["id"] for p in both]  # cut at headings, then for height, as a deck is
+    assert len(set(ids)) == len(ids), f"two parts share an id: {ids}"
     kinds = deck_slide_types(parts)
     assert kinds[0] == "slide" and "subslide" in kinds
 

@@ -116,16 +116,18 @@ def split_at_headings(cells: list[dict]) -> list[dict]:
                 parts.append([])
             parts[-1].append(para)
         for k, group in enumerate(parts):
-            out.append(_part(cell, k, group))
+            out.append(_part(cell, k, group, "h"))
     return out
 
 
-def _part(cell: dict, k: int, paragraphs: list[str]) -> dict:
-    """Part k of a markdown cell cut at paragraphs (the first keeps its id)."""
+def _part(cell: dict, k: int, paragraphs: list[str], cut: str) -> dict:
+    """Part k of a markdown cell cut at paragraphs (the first keeps its id; the
+    others' say which cut made them, "h" at a heading or "t" for height, so a
+    part cut again by the other still has an id of its own)."""
     part = copy.deepcopy(cell)
     part["source"] = "\n\n".join(paragraphs)
     if k:
-        part["id"] = f"{cell.get('id', 'cell')}-{k}"
+        part["id"] = f"{cell.get('id', 'cell')}-{cut}{k}"
     return part
 
 
@@ -146,5 +148,5 @@ def split_tall_text(cells: list[dict]) -> list[dict]:
                 groups[-1].append(para)
             else:
                 groups.append([para])
-        out += [_part(cell, k, group) for k, group in enumerate(groups)]
+        out += [_part(cell, k, group, "t") for k, group in enumerate(groups)]
     return out

@@ -55,18 +55,11 @@ class DataParallel(torch.nn.Module):
                  group: dist.ProcessGroup | None = None,
                  first_bucket_mb: float | None = None):
         super().__init__()
-        if first_bucket_mb is not None and not first_bucket_mb > 0:
-            raise ValueError(
-                f"first_bucket_mb must be > 0 MiB, got {first_bucket_mb!r}")
+        guards.positive_mib(first_bucket_mb, "first_bucket_mb", "no cap of its own")
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}, not {mode!r}")
-        if bucket_mb is not None and not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be > 0 MiB (or None: one collective "
-                             f"per parameter), got {bucket_mb!r}")
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "DataParallel needs a torch.distributed process group: build it "
-                "inside a function you run on the ranks (cluster.run(fn)).")
+        guards.positive_mib(bucket_mb, "bucket_mb", "one collective per parameter")
+        guards.require_process_group("DataParallel")
         self.module, self.mode, self.bucket_mb = module, mode, bucket_mb
         self.broadcast_buffers = broadcast_buffers
         self.group = group if group is not None else dist.group.WORLD

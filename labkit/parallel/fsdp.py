@@ -47,10 +47,7 @@ class FullyShardedDataParallel(torch.nn.Module):
                  None, wrap=None, prefetch: bool = True, group=None, *,
                  root: bool = True):
         super().__init__()
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "FullyShardedDataParallel needs a torch.distributed process group: "
-                "build it inside a function you run on the ranks (cluster.run(fn)).")
+        guards.require_process_group("FullyShardedDataParallel")
         if compute_dtype is not None and not compute_dtype.is_floating_point:
             raise ValueError(f"compute_dtype must be a floating dtype (e.g. "
                              f"torch.bfloat16), not {compute_dtype}")

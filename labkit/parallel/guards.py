@@ -15,6 +15,24 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 _STEP_HOOK = None
 
 
+def require_process_group(who: str) -> None:
+    """RuntimeError unless torch.distributed has a process group: `who` is built
+    in the kernel, outside the ranks."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{who} needs a torch.distributed process group: build it "
+                           "inside a function you run on the ranks (cluster.run(fn))")
+
+
+def positive_mib(value, name: str, none_means: str | None = None) -> None:
+    """ValueError unless `value` (a size in MiB) is > 0; None is allowed where
+    `none_means` says what it means."""
+    if value is None and none_means is not None:
+        return
+    if value is None or isinstance(value, bool) or not value > 0:
+        also = f" (or None: {none_means})" if none_means else ""
+        raise ValueError(f"{name} must be > 0 MiB{also}, got {value!r}")
+
+
 def check_devices(module: torch.nn.Module, group, who: str) -> None:
     backend = str(dist.get_backend(group))  # "gloo", "nccl", "cpu:gloo,cuda:nccl"
     ok = ({pair.split(":")[0] for pair in backend.split(",")} if ":" in backend

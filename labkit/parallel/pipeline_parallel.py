@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.arguments import whole
+from labkit.parallel import guards
 from labkit.parallel.pipeline_schedules import stage_order
 from labkit.probe import Span, Spans, count_as, union
 
@@ -62,10 +63,7 @@ class PipelineParallel(torch.nn.Module):
     def __init__(self, layers, *, microbatches: int, loss_fn, schedule: str = "1f1b",
                  group=None, balance=None):
         super().__init__()
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "PipelineParallel needs a torch.distributed process group: build it "
-                "inside a function you run on the ranks (cluster.run(fn)).")
+        guards.require_process_group("PipelineParallel")
         if schedule not in RUNTIME_SCHEDULES:
             raise ValueError(f"schedule must be one of {RUNTIME_SCHEDULES} on real "
                              f"ranks (the simulator has more), not {schedule!r}")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.parallel import guards
 from labkit.parallel.models import (
     MLP,
     SelfAttention,
@@ -52,9 +53,7 @@ __all__ = [
 
 
 def _group_of(group, who: str):
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"{who} needs a torch.distributed process group: build it "
-                           "inside a function you run on the ranks (cluster.run(fn))")
+    guards.require_process_group(who)
     group = dist.group.WORLD if group is None else group
     return group, dist.get_world_size(group), dist.get_rank(group)
 

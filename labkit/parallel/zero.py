@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from labkit.probe import count_as
-from labkit.parallel import zero_state
+from labkit.parallel import guards, zero_state
 from labkit.parallel.zero_buckets import (GATHERS, BucketHooks, gather_slices,
                                          make_buckets, reduce_scatter)
+from labkit.probe import count_as
 
 
 @dataclass(eq=False)
@@ -86,15 +86,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if stage == 2 and not reduce_scatter_gradients:
             raise ValueError("stage 2 always reduce-scatters the gradients (in "
                              "backward); leave out reduce_scatter_gradients")
-        if not bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be positive, not {bucket_mb!r}")
+        guards.positive_mib(bucket_mb, "bucket_mb")
         if gather not in (None, *GATHERS):
             raise ValueError(f"gather must be one of {GATHERS} (or None: the "
                              f"backend's faster), not {gather!r}")
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "ShardedOptimizer needs a torch.distributed process group: create it "
-                "inside a function you run on the ranks (cluster.run(fn))")
+        guards.require_process_group("ShardedOptimizer")
         self.process_group = group
         self.dp_rank, self.dp_size = dist.get_rank(group), dist.get_world_size(group)
         self.stage, self.reduce_scatter_gradients = stage, reduce_scatter_gradients
