@@ -397,7 +397,7 @@ def test_ring_labkits_own_pricing_is_refused():
         theory.alpha_beta_time(op, size, n, cl.alpha_intra, cl.intra_bw)
         return right(op, size, n, nodes, cl)
 
-    with pytest.raises(ExerciseError, match=r"calls labkit.theory.layout.time."
+    with pytest.raises(ExerciseError, match=r"calls labkit.theory.layout.costs."
                                             r"ring_latency, labkit's own α-β"):
         check_ring_seconds(calculator)
     with pytest.raises(ExerciseError, match=r"alpha_beta_time, labkit's own"):

@@ -20,7 +20,7 @@ from labkit.theory.layout import (
 )
 from labkit.theory.layout.cluster import GEMM_EFFICIENCY_H100
 from labkit.theory.layout.layout import group_nodes
-from labkit.theory.layout.time import dp_latency_of
+from labkit.theory.layout.costs import dp_latency_of
 
 M = theory.MODELS
 

@@ -59,7 +59,7 @@ def test_node_limited_routing_reaches_13_experts_for_the_cost_of_4_nodes():
 
 
 def test_calculator_ep_traffic_is_the_layer_formula_per_layer_and_microbatch():
-    # the calculator's EP bytes (labkit.theory.layout.traffic) are this formula x
+    # the calculator's EP bytes (labkit.theory.layout.costs) are this formula x
     # the MoE layers of a stage x micro-batches; node-limited routing sends a
     # token's 4 node copies over the network, not its 8 experts' (sec. 3.2.2),
     # and 7 in 8 of them go to another of EP 64's 8 nodes (the rest stay inside)

@@ -416,11 +416,12 @@ _RING_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 _FIXED_RINGS = (("all_reduce", 268e6, 8, 1), ("reduce_scatter", 64e6, 16, 2),
                 ("all_reduce", 1e6, 64, 8), ("all_gather", 797e6, 2048, 2048))
 # labkit's α-β prices of a ring (the calculator's ring_latency and the rest of
-# its time module, alpha_beta_time), and this check's own
-_RING_OWN = ("labkit.theory.layout.time",
-             "labkit.theory.collective_cost:alpha_beta_time",
-             "labkit.theory.collective_cost:AlphaBeta",
-             "labkit.checks.three_d:_ring_exact")
+# its step-time functions, alpha_beta_time), and this check's own
+_RING_OWN = tuple(f"labkit.theory.layout.costs:{f}" for f in (
+    "bubble_of_ideal", "ring_latency", "dp_latency_of", "latency", "dp_latency",
+    "_dp_exposed", "step_time")) + (
+    "labkit.theory.collective_cost:alpha_beta_time",
+    "labkit.theory.collective_cost:AlphaBeta", "labkit.checks.three_d:_ring_exact")
 
 
 def _ring_exact(op: str, size: float, n: int, nodes: int, spec, *, a_in=None,
@@ -546,8 +547,9 @@ _OLD = dict(cp=16, dp=8, seq=131072, microbatches=16)
 _NEW = dict(cp=32, dp=4, seq=131072, microbatches=32)  # the chapter's question
 _DIMS = ("tp", "cp", "pp", "dp")
 # the calculator (estimate and the traffic it prices) and this check's own
-_RATIO_OWN = ("labkit.theory.layout.traffic", "labkit.theory.layout.calculator",
-              "labkit.theory.layout.runs", "labkit.checks.three_d:_per_gpu")
+_RATIO_OWN = tuple(f"labkit.theory.layout.costs:{f}" for f in (
+    "dp_phases_of", "dp_traffic", "_cp_layer_bytes", "_ep_layer_bytes", "traffic",
+    "estimate")) + ("labkit.theory.layout.runs", "labkit.checks.three_d:_per_gpu")
 
 
 def _per_gpu(cp: int, dp: int, seq: int, m: int, *, zero_over_cp=True,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from labkit.theory._validate import check_counts, check_n
 from labkit.theory.collective_cost import ring_bytes_per_rank
-from labkit.theory.layout.counts import expert_params
+from labkit.theory.layout.costs import expert_params
 from labkit.theory.models import MODELS, ModelConfig, param_count
 
 

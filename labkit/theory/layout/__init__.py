@@ -3,12 +3,22 @@ per device on a cluster, in closed form, and a chooser that ranks layouts.
 
 Part of labkit.theory: imports labkit.theory's other modules, labkit.conventions
 and labkit.units only. Each module here imports only those before it in this
-order (no cycles): cluster, layout, counts, roofline, memory, traffic, time,
-breakdown, reasons, calculator, published, ranking, runs, scaling.
+order (no cycles): cluster, layout, costs (estimate() and what it adds up),
+published, ranking, runs, scaling.
 """
 
-from labkit.theory.layout.breakdown import Estimate
-from labkit.theory.layout.calculator import estimate
+from labkit.theory.layout.costs import (
+    activations_held,
+    bubble_of_ideal,
+    compute_slowdown,
+    estimate,
+    Estimate,
+    flops_per_token,
+    gemm_time,
+    layer_gemms,
+    params_per_device,
+    ring_latency,
+)
 from labkit.theory.layout.cluster import (
     A100_SELENE,
     DEEPSEEK_V3_CLUSTER,
@@ -16,15 +26,11 @@ from labkit.theory.layout.cluster import (
     LLAMA3_CLUSTER,
     ClusterSpec,
 )
-from labkit.theory.layout.counts import flops_per_token, params_per_device
 from labkit.theory.layout.layout import DIMS, Layout, check_layout, group_nodes
-from labkit.theory.layout.memory import activations_held
 from labkit.theory.layout.published import LLAMA3_LONG_CONTEXT, PUBLISHED_LAYOUTS
 from labkit.theory.layout.ranking import Ranked, choose, explain, find
-from labkit.theory.layout.roofline import compute_slowdown, gemm_time, layer_gemms
 from labkit.theory.layout.runs import PUBLISHED_RUNS, PublishedRun
 from labkit.theory.layout.scaling import WASTEFUL_MFU, Scale, scale
-from labkit.theory.layout.time import bubble_of_ideal, ring_latency
 
 __all__ = [
     "A100_SELENE", "DEEPSEEK_V3_CLUSTER", "DIMS", "H100_NODE", "LLAMA3_CLUSTER",

@@ -8,8 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from itertools import product
 
-from labkit.theory.layout.breakdown import Estimate
-from labkit.theory.layout.calculator import estimate
+from labkit.theory.layout.costs import Estimate, estimate
 from labkit.theory.layout.cluster import ClusterSpec
 from labkit.theory.layout.layout import Layout
 from labkit.theory.layout.published import PUBLISHED_LAYOUTS

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.theory.layout.breakdown import Estimate
-from labkit.theory.layout.calculator import estimate
+from labkit.theory.layout.costs import Estimate, estimate
 from labkit.theory.layout.cluster import (
     A100_SELENE,
     DEEPSEEK_V3_CLUSTER,
