@@ -1,12 +1,12 @@
-"""The seam between a technique and what measures it. Imports torch and
-labkit.conventions only.
+"""The seam between a technique and what measures it. Imports labkit.conventions
+only (torch when asked whether a backward runs), so the runtime reads it cheaply.
 
-A technique says what it does: its own `Spans` of compute and communication
-(what a wrapper's `events` returns), what a tensor is held as (`count_as`), that a
-block's storages live in host memory (`on_host`), a phase of its traffic
-(`phase`). A ledger that records registers here (`listen`) and hears it; with
-none listening each call is a dictionary lookup. So parallel/ never imports the
-ledgers, and the ledgers never import parallel/.
+A technique says what it does: its own `Spans` of compute and communication (a
+wrapper's `events`), what a tensor is held as (`count_as`), that a block's
+storages live in host memory (`on_host`), a phase of its traffic (`phase`), what
+the rank is doing now (`set_activity`; the runtime's status reads it). A ledger
+that records registers here (`listen`) and hears it; with none listening each
+call is a dictionary lookup. So parallel/ never imports the ledgers.
 """
 
 from __future__ import annotations
@@ -14,15 +14,19 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from labkit.conventions import MEMORY_CATEGORIES
 
-__all__ = ["Span", "Spans", "completed_at", "count_as", "in_backward", "listen",
-           "listening", "on_host", "phase", "stop_listening", "union"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Span", "Spans", "activity", "completed_at", "count_as", "in_backward",
+           "listen", "listening", "on_host", "phase", "set_activity",
+           "stop_listening", "union"]
 
 _LISTENERS: dict[str, object] = {}  # kind ("memory", "traffic", ...) -> its ledger
+_ACTIVITY: list = [None]  # what this process is doing now, if someone said
 
 
 # -- who listens ----------------------------------------------------------------
@@ -89,9 +93,23 @@ def phase(name: str, kind: str = "traffic"):
         yield
 
 
+def set_activity(what: str | None) -> None:
+    """Say what this rank is doing now ('all_reduce of 4.0 MiB (group of 4)'),
+    for a status request while it lasts; None when it is over (the traffic
+    ledger and the checks' deadlock watcher say it; the runtime reads it)."""
+    _ACTIVITY[0] = what
+
+
+def activity() -> str | None:
+    """What this rank said it is doing (set_activity), or None."""
+    return _ACTIVITY[0]
+
+
 def in_backward() -> bool:
     """Autograd runs a graph task on this thread: a backward (a forward now is an
     activation checkpoint's recompute)."""
+    import torch
+
     return torch._C._current_graph_task_id() != -1
 
 

@@ -64,7 +64,7 @@ class _WatchedWork:
 def _watch_p2p():
     import torch.distributed as dist
 
-    from labkit.runtime import set_activity
+    from labkit.probe import set_activity
 
     names = ("send", "recv", "isend", "irecv")
     real = {name: getattr(dist, name) for name in names}

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from labkit.runtime import set_activity
 from labkit.conventions import BUS_FACTOR
 from labkit.ledger.c10d_calls import (
     classify,
@@ -31,6 +30,7 @@ from labkit.ledger.c10d_calls import (
     wchar,
 )
 from labkit.ledger.common import Ledger
+from labkit.probe import set_activity
 from labkit.units import human_bytes as human
 
 FIELDS = ("payload_bytes", "bus_bytes", "wire_bytes", "seconds", "elements")

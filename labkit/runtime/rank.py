@@ -17,6 +17,7 @@ import time
 import traceback
 from dataclasses import replace
 
+from labkit import probe
 from labkit.runtime import wire
 from labkit.runtime.messages import (
     ROLE_ENV,
@@ -33,16 +34,9 @@ from labkit.runtime.messages import (
 from labkit.runtime.output import RankFiles
 from labkit.units import human_bytes
 
-# What this rank is doing, for status requests. Ledgers set "activity".
-STATE: dict = {"call": None, "activity": None, "started": 0.0, "bars": 0,
-               "phase": "starting"}
-
-
-def set_activity(what: str | None) -> None:
-    """Say what this rank is doing now ('all_reduce of 4.0 MiB (group of 4)'), for
-    a status request while it lasts; None when it is over. The traffic ledger and
-    the checks' deadlock watcher call it."""
-    STATE["activity"] = what
+# What this rank is doing, for status requests (what a layer above says it is
+# doing, labkit.probe.activity(), is read at the request, never written here).
+STATE: dict = {"call": None, "started": 0.0, "bars": 0, "phase": "starting"}
 
 
 # Namespace shared by the %%ranks cells a rank runs (reset when the rank restarts).
@@ -143,7 +137,8 @@ def _serve_calls(main: socket.socket, rank: int, world_size: int,
         except BaseException as e:  # noqa: BLE001  (SystemExit too: report, don't die)
             reply = Raised(call_id, describe_exception(e), 0.0)
         finally:
-            STATE.update(call=None, activity=None, phase=None)
+            STATE.update(call=None, phase=None)
+            probe.set_activity(None)
         seconds = time.perf_counter() - t0
         sys.stdout.flush()
         sys.stderr.flush()
@@ -195,7 +190,7 @@ def _serve_status(sock: socket.socket, main_ident: int) -> None:
                 traceback.walk_stack(frame), lookup_lines=False)
             stack = tuple((f.filename, f.lineno, f.name) for f in reversed(summary)
                           if f.filename != __file__)
-        activity = STATE["activity"] or (_collective_in(frame) if frame else None)
+        activity = probe.activity() or (_collective_in(frame) if frame else None)
         importing = _importing(frame)
         # let go of the frame before answering: held, it keeps the polled
         # function's locals alive after it returns (the memory ledger would count
