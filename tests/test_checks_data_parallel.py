@@ -449,37 +449,37 @@ def test_bytes_per_step_measured_and_shortcuts():
 # ------------------------------------------------------------ DDP's buckets
 
 
-def _n_buckets(tensor_bytes, bucket_mb):
+def _n_buckets(tensor_bytes, bucket_mib):
     count, held = 0, None
     for b in tensor_bytes:
-        if held is None or held >= bucket_mb * 2**20:
+        if held is None or held >= bucket_mib * 2**20:
             count, held = count + 1, 0
         held += b
     return count
 
 
-def _n_buckets_strict(tensor_bytes, bucket_mb):   # closes only above the cap
+def _n_buckets_strict(tensor_bytes, bucket_mib):   # closes only above the cap
     count, held = 0, None
     for b in tensor_bytes:
-        if held is None or held > bucket_mb * 2**20:
+        if held is None or held > bucket_mib * 2**20:
             count, held = count + 1, 0
         held += b
     return count
 
 
-def _n_buckets_at_most(tensor_bytes, bucket_mb):  # never exceeds the cap
+def _n_buckets_at_most(tensor_bytes, bucket_mib):  # never exceeds the cap
     count, held = 0, None
     for b in tensor_bytes:
-        if held is None or held + b > bucket_mb * 2**20:
+        if held is None or held + b > bucket_mib * 2**20:
             count, held = count + 1, 0
         held += b
     return count
 
 
-def _n_buckets_labkit(tensor_bytes, bucket_mb):
+def _n_buckets_labkit(tensor_bytes, bucket_mib):
     from labkit.parallel.buckets import fill
 
-    return len(fill([torch.empty(b // 4) for b in tensor_bytes], bucket_mb * 2**20))
+    return len(fill([torch.empty(b // 4) for b in tensor_bytes], bucket_mib * 2**20))
 
 
 MIB = 2**20
@@ -500,7 +500,7 @@ def test_bucket_count_right_passes(capsys):
                                              r"rounded up: tensors are never split"),
     (_n_buckets_strict, r"closes only ABOVE the cap"),
     (_n_buckets_at_most, r"buckets that never exceed the cap"),
-    (lambda t, mb: _n_buckets(t, mb * 10**6 / MIB), r"bucket_mb × 10⁶ bytes: a MiB"),
+    (lambda t, mb: _n_buckets(t, mb * 10**6 / MIB), r"bucket_mib × 10⁶ bytes: a MiB"),
     (lambda t, mb: _n_buckets(t, mb) - 1, r"one bucket short"),
     (lambda t, mb: float("nan"), r"returned nan: return a whole number"),
     (lambda t, mb: 3, r"= 3, but DDP's rule makes"),  # the old measured answer

@@ -56,7 +56,7 @@ RUNS = {"overlap, no_sync": ("overlap", True, None),
         "parameter_server, no_sync": ("parameter_server", True, None),
         "overlap, every micro-batch": ("overlap", False, None),
         "ZeRO-1 under no_sync": ("overlap", True, {}),
-        "ZeRO-2": (None, False, {"stage": 2, "bucket_mb": GPT_MB})}
+        "ZeRO-2": (None, False, {"stage": 2, "bucket_mib": GPT_MB})}
 
 
 def _micro_batches(rank, world_size, batch):
@@ -160,7 +160,7 @@ def _one_step(rank, world_size, what):
     dp = DataParallel(model, MLP_MB) if kind != "zero2" else None
     o = (torch.optim.Adam(model.parameters(), lr=1e-3) if kind == "dp" else
          ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3,
-                          **({"stage": 2, "bucket_mb": MLP_MB} if kind == "zero2"
+                          **({"stage": 2, "bucket_mib": MLP_MB} if kind == "zero2"
                              else {})))
     with ledger.memory(model, o) as m, ledger.traffic() as t:
         for j, (xs, ys) in enumerate(zip(x.chunk(k), y.chunk(k))):

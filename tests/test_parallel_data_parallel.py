@@ -66,12 +66,12 @@ def _reference(opt_name, batches, dtype=torch.float32, pieces=1):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train(rank, world_size, mode, bucket_mb, batches):
+def _train(rank, world_size, mode, bucket_mib, batches):
     out = {}
     for name, make in OPTIMIZERS.items():
         torch.manual_seed(rank)  # a different model on every rank ...
         model = Tiny()
-        dp = DataParallel(model, bucket_mb, mode)  # ... until rank 0's is broadcast
+        dp = DataParallel(model, bucket_mib, mode)  # ... until rank 0's is broadcast
         opt = make([p for p in model.parameters() if p.requires_grad])
         for x, y in batches:
             opt.zero_grad()
@@ -98,12 +98,12 @@ def reference():
     return batches, oracles
 
 
-@pytest.mark.parametrize("mode,bucket_mb", [
+@pytest.mark.parametrize("mode,bucket_mib", [
     ("overlap", None), ("overlap", TINY_MB), ("naive", None), ("naive", TINY_MB),
     ("parameter_server", None), ("parameter_server", TINY_MB)])
-def test_matches_single_process_training(cluster, reference, mode, bucket_mb):
+def test_matches_single_process_training(cluster, reference, mode, bucket_mib):
     batches, oracles = reference
-    res = cluster.run(_train, mode, bucket_mb, batches)
+    res = cluster.run(_train, mode, bucket_mib, batches)
     torch.manual_seed(0)
     start = Tiny().state_dict()  # rank 0's untrained model
     for name, oracle in oracles.items():
@@ -113,13 +113,13 @@ def test_matches_single_process_training(cluster, reference, mode, bucket_mb):
         oracle.resolves(start, f"{name}: the untrained model")
         for rank, result in enumerate(res):
             state, buckets, frozen_grad = result[name]
-            oracle.check(state, f"{mode}, bucket_mb={bucket_mb}, {name}, rank {rank}")
+            oracle.check(state, f"{mode}, bucket_mib={bucket_mib}, {name}, rank {rank}")
             # and the ranks agree bit for bit: they applied the same mean gradient
             assert all(torch.equal(state[k], res[0][name][0][k]) for k in state)
             assert torch.equal(state["gain"], start["gain"])  # frozen: never moves
             assert torch.equal(state["scale"], start["scale"])  # rank 0's buffer
             assert frozen_grad is None
-        if bucket_mb is None:
+        if bucket_mib is None:
             assert buckets == [["back.bias"], ["back.weight"], ["mix.bias"],
                                ["mix.weight"], ["emb.weight"]]
         else:  # reverse registration order; a bucket closes at >= 160 bytes
@@ -136,11 +136,11 @@ def _one_step_traffic(rank, world_size):
     from labkit.ledger import traffic
 
     out = {}
-    for mode, bucket_mb in [("overlap", None), ("overlap", 0.001), ("naive", None),
+    for mode, bucket_mib in [("overlap", None), ("overlap", 0.001), ("naive", None),
                             ("parameter_server", None), ("parameter_server", 0.001)]:
         torch.manual_seed(0)
         model = Tiny(**BIG)
-        dp = DataParallel(model, bucket_mb, mode)
+        dp = DataParallel(model, bucket_mib, mode)
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad],
                               lr=0.1)
         x, y = (torch.randint(BIG["vocab"], (2, 8)) for _ in range(2))
@@ -153,8 +153,8 @@ def _one_step_traffic(rank, world_size):
                 opt.step()
             if mode == "parameter_server":
                 dp.broadcast_parameters()
-        out[mode, bucket_mb] = [(r.op, r.phase, r.wire_bytes) for r in t.records]
-        out[mode, bucket_mb, "check"] = [
+        out[mode, bucket_mib] = [(r.op, r.phase, r.wire_bytes) for r in t.records]
+        out[mode, bucket_mib, "check"] = [
             (r.payload_bytes, r.wire_bytes) for r in t.records
             if r.phase == DataParallel.CHECK_PHASE]
     return out
@@ -197,13 +197,13 @@ def test_the_usage_check_sends_a_bit_a_parameter(wires):
                 assert 0 < wire <= (N - 1) * 512, (key, wire)
 
 
-@pytest.mark.parametrize("mode,bucket_mb,calls", [
+@pytest.mark.parametrize("mode,bucket_mib,calls", [
     ("overlap", None, 5), ("overlap", 0.001, 3), ("naive", None, 5)])
 def test_all_reduce_modes_send_2_n_minus_1_over_n_of_the_gradients(
-        wires, mode, bucket_mb, calls):
+        wires, mode, bucket_mib, calls):
     S = 4 * 524_795  # fp32 gradient bytes: the tied weight once, the frozen never
     for records in wires:
-        recs = _checked(records[mode, bucket_mb])
+        recs = _checked(records[mode, bucket_mib])
         assert [op for op, _, _ in recs] == ["all_reduce"] * calls
         # per rank, ring all-reduce (Patarasuk & Yuan 2009): 2(N-1)/N * S; gloo's
         # headers add ~2 KB a call (measured 1.5033 S with 5 calls, 1.5016 with 2)
@@ -213,10 +213,10 @@ def test_all_reduce_modes_send_2_n_minus_1_over_n_of_the_gradients(
         assert in_backward == {mode == "overlap"}
 
 
-@pytest.mark.parametrize("bucket_mb", [None, 0.001])
-def test_parameter_server_link_carries_n_minus_1_times_a_workers(wires, bucket_mb):
+@pytest.mark.parametrize("bucket_mib", [None, 0.001])
+def test_parameter_server_link_carries_n_minus_1_times_a_workers(wires, bucket_mib):
     S = 4 * 524_795
-    recs = [_checked(records["parameter_server", bucket_mb]) for records in wires]
+    recs = [_checked(records["parameter_server", bucket_mib]) for records in wires]
     server, workers = recs[0], recs[1:]
     # each worker sends its gradients once (gather to rank 0) and receives the
     # weights once; the server sends the weights to each of N-1 workers (scatter)
@@ -247,13 +247,13 @@ def test_overlap_fraction_by_hand():
     assert Span("comm", "x", 1.0, 3.5).seconds == 2.5
 
 
-def _spans(rank, world_size, mode, bucket_mb):
+def _spans(rank, world_size, mode, bucket_mib):
     from labkit.ledger import overlap_fraction
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh())
                             for _ in range(6)])
-    dp = DataParallel(model, bucket_mb, mode)
+    dp = DataParallel(model, bucket_mib, mode)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     fractions = []
     for _ in range(3):
@@ -265,15 +265,15 @@ def _spans(rank, world_size, mode, bucket_mb):
     return fractions, dp.events, len(dp.buckets)
 
 
-@pytest.mark.parametrize("mode,bucket_mb", [
+@pytest.mark.parametrize("mode,bucket_mib", [
     ("overlap", None), ("overlap", 0.25), ("naive", None)])
-def test_spans_on_real_ranks(cluster, mode, bucket_mb):
+def test_spans_on_real_ranks(cluster, mode, bucket_mib):
     grad_bytes = 6 * (256 * 256 + 256) * 4
-    for fractions, events, buckets in cluster.run(_spans, mode, bucket_mb):
+    for fractions, events, buckets in cluster.run(_spans, mode, bucket_mib):
         compute = [e for e in events if e.kind == "compute"]
         comm = [e for e in events if e.kind == "comm"]
         assert len(compute) == 1  # the last step's backward only: cleared per step
-        assert len(comm) == buckets == (12 if bucket_mb is None else 6)
+        assert len(comm) == buckets == (12 if bucket_mib is None else 6)
         assert sum(e.nbytes for e in comm) == grad_bytes
         assert all(e.end >= e.start for e in events)
         if mode == "naive":  # communication starts once backward has ended
@@ -318,8 +318,8 @@ def test_buffers_broadcast_at_every_forward_only_when_asked(cluster):
 
 def test_bad_arguments_and_no_process_group():
     for bad in (0, -1.0):
-        with pytest.raises(ValueError, match="bucket_mb must be > 0"):
-            DataParallel(nn.Linear(2, 2), bucket_mb=bad)
+        with pytest.raises(ValueError, match="bucket_mib must be > 0"):
+            DataParallel(nn.Linear(2, 2), bucket_mib=bad)
     with pytest.raises(ValueError, match="mode must be one of"):
         DataParallel(nn.Linear(2, 2), mode="allreduce")
     with pytest.raises(RuntimeError, match="process group"):
@@ -401,7 +401,7 @@ def test_first_bucket_cap_starts_the_first_all_reduce_early():
 def _views(rank, world_size):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
-    dp = DataParallel(model, bucket_mb=1.0)  # one bucket of all four
+    dp = DataParallel(model, bucket_mib=1.0)  # one bucket of all four
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
     out = {}
     for step, set_to_none in enumerate((True, True, False, False)):
@@ -459,13 +459,13 @@ def _checkpointed(rank, world_size, wrapper, how, reentrant):
     ids = _gpt_batch()[rank * 2:(rank + 1) * 2]
     adamw = dict(lr=1e-2, eps=1e-6)  # eps: see test_parallel_fsdp_models.py
     if wrapper == "DataParallel":
-        dp = DataParallel(model, bucket_mb=0.01)  # several buckets
+        dp = DataParallel(model, bucket_mib=0.01)  # several buckets
         opt, sync = torch.optim.AdamW(model.parameters(), **adamw), \
             dp.finish_gradient_synchronization
     else:  # ZeRO-2: its hooks reduce-scatter during backward
         dp, sync = model, (lambda: None)
         opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2,
-                               bucket_mb=0.01, **adamw)
+                               bucket_mib=0.01, **adamw)
     for _ in range(3):
         opt.zero_grad()
         dp(input_ids=ids, labels=ids).backward()
@@ -521,12 +521,12 @@ class Branchy(nn.Module):
         return sum(getattr(self, w)(x) for w in which)
 
 
-def _branches(rank, world_size, mode, bucket_mb):
+def _branches(rank, world_size, mode, bucket_mib):
     import copy
 
     torch.manual_seed(0)
     model = Branchy()
-    dp = DataParallel(model, bucket_mb, mode)
+    dp = DataParallel(model, bucket_mib, mode)
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))
     out = {}
     # rank 0 takes branch a, the others b: the ranks used different parameters
@@ -561,12 +561,12 @@ def _branches(rank, world_size, mode, bucket_mb):
     return out
 
 
-@pytest.mark.parametrize("mode,bucket_mb", [
+@pytest.mark.parametrize("mode,bucket_mib", [
     ("overlap", None), ("overlap", 1.0), ("naive", None),
     ("parameter_server", None)])
 def test_parameters_used_on_some_ranks_only_are_refused_by_name(
-        cluster, mode, bucket_mb):
-    for rank, out in enumerate(cluster.run(_branches, mode, bucket_mb)):
+        cluster, mode, bucket_mib):
+    for rank, out in enumerate(cluster.run(_branches, mode, bucket_mib)):
         msg = out["refused"]
         assert msg is not None, (
             f"{mode}, rank {rank}: rank 0 used a, the others b, and no error")

@@ -23,7 +23,7 @@ BUCKET_MB = 1000 / 2**20  # 250 float32: the small model's groups split in bucke
 OPTS = {"sgd": (torch.optim.SGD, {"momentum": 0.9}, (0.1, 0.03, 0.3)),
         "adam": (torch.optim.Adam, {}, (1e-2, 3e-3, 3e-2))}
 MODES = {"zero1": {}, "zero1_rs": {"reduce_scatter_gradients": True},
-         "zero2": {"stage": 2, "bucket_mb": BUCKET_MB}}
+         "zero2": {"stage": 2, "bucket_mib": BUCKET_MB}}
 
 
 def _groups(model, opt):
@@ -271,7 +271,7 @@ def _corners(rank, world_size):
     lin, unused = nn.Linear(3, 2), nn.Parameter(torch.ones(5))
     before = lin.weight.detach().clone()
     o = ShardedOptimizer([unused, lin.weight, lin.bias], torch.optim.SGD, lr=0.1,
-                         stage=2, bucket_mb=1e-5)
+                         stage=2, bucket_mib=1e-5)
     lin(torch.full((1, 3), float(rank))).sum().backward()
     o.step()
     out["unused"] = unused.detach().clone()
@@ -534,7 +534,7 @@ def _mlp():
 PSI = 3 * (W * W + W) + W * 10 + 10  # 793098 elements, not a multiple of 4
 MLP_BUCKET_MB = 1.0  # 262144 float32: buckets L3+L4, L2, L1
 MLP_MODES = {"dp": None, **MODES,  # stage 2 gathers with one all-gather, the
-             "zero2": {"stage": 2, "bucket_mb": MLP_BUCKET_MB,  # others as gloo's
+             "zero2": {"stage": 2, "bucket_mib": MLP_BUCKET_MB,  # others as gloo's
                        "gather": "all_gather"}}  # default: a broadcast per rank
 
 
@@ -687,8 +687,8 @@ def test_bad_arguments_and_no_process_group():
         ShardedOptimizer(p, torch.optim.SGD, stage=3)
     with pytest.raises(ValueError, match="stage 2 always"):
         ShardedOptimizer(p, torch.optim.SGD, stage=2, reduce_scatter_gradients=False)
-    with pytest.raises(ValueError, match="bucket_mb"):
-        ShardedOptimizer(p, torch.optim.SGD, bucket_mb=0)
+    with pytest.raises(ValueError, match="bucket_mib"):
+        ShardedOptimizer(p, torch.optim.SGD, bucket_mib=0)
     with pytest.raises(ValueError, match="gather must be one of"):
         ShardedOptimizer(p, torch.optim.SGD, gather="ring")
     with pytest.raises(RuntimeError, match="process group"):

@@ -190,12 +190,12 @@ def _bucket_hint(sizes, mb: float, got) -> str:
         (total // cap, "the total divided by the bucket size, rounded down: "
                        "tensors are never split, and a last bucket that is not "
                        "full still goes"),
-        (_bucket_count(sizes, mb * 10**6), "buckets of bucket_mb × 10⁶ bytes: a "
+        (_bucket_count(sizes, mb * 10**6), "buckets of bucket_mib × 10⁶ bytes: a "
                                            "MiB is 2²⁰ = 1,048,576 bytes"),
         (strict, "a bucket that closes only ABOVE the cap: it closes once it "
-                 "holds at least bucket_mb MiB"),
+                 "holds at least bucket_mib MiB"),
         (at_most, "buckets that never exceed the cap: a bucket closes only once "
-                  "it holds at least bucket_mb MiB, so the tensor that crosses "
+                  "it holds at least bucket_mib MiB, so the tensor that crosses "
                   "the line stays in it"),
         (_bucket_count(sizes, cap) - 1, "one bucket short: the last bucket goes "
                                         "even if it is not full"),
@@ -203,23 +203,23 @@ def _bucket_hint(sizes, mb: float, got) -> str:
     for v, why in near:
         if got == v:
             return f". That is {why}"
-    return (". Hint: a bucket closes once it holds AT LEAST bucket_mb MiB, so the "
+    return (". Hint: a bucket closes once it holds AT LEAST bucket_mib MiB, so the "
             "tensor that crosses the line stays in it and the next tensor opens a "
             "new one")
 
 
 def check_bucket_count(fn, measured: dict | None = None) -> bool:
-    """Check a student's `fn(tensor_bytes, bucket_mb)`: how many buckets (so how
+    """Check a student's `fn(tensor_bytes, bucket_mib)`: how many buckets (so how
     many all-reduces a step) DDP's rule makes from gradients of these sizes, in
-    the order backward produces them, with buckets of bucket_mb MiB: a bucket
-    closes once it holds at least bucket_mb MiB. Cases are drawn fresh each run;
-    `measured` maps (tuple of sizes, bucket_mb) to the number of buckets
+    the order backward produces them, with buckets of bucket_mib MiB: a bucket
+    closes once it holds at least bucket_mib MiB. Cases are drawn fresh each run;
+    `measured` maps (tuple of sizes, bucket_mib) to the number of buckets
     DataParallel made. labkit's bucket builders are refused."""
     mib = 2**20
     cases = [(sizes, mb, want) for (sizes, mb), want in (measured or {}).items()]
     cases += [(sizes, mb, None) for sizes, mb in _bucket_cases(fresh_seed())]
     for sizes, mb, seen in cases:
-        where = f"n_buckets({_short(list(sizes))}, bucket_mb={mb:g})"
+        where = f"n_buckets({_short(list(sizes))}, bucket_mib={mb:g})"
         with own_calls(*_OWN_BUCKETS) as own:
             got = call_answer(fn, list(sizes), mb, what="n_buckets")
         refuse_own(where, own, "bucket builder (or this check's reference)")
@@ -239,7 +239,7 @@ def check_bucket_count(fn, measured: dict | None = None) -> bool:
     seen = len(measured or {})
     print(f"correct on {len(cases) - seen} cases drawn this run"
           + (f" and the {seen} DataParallel built" if seen else "")
-          + ": buckets fill in backward order and close at >= bucket_mb MiB")
+          + ": buckets fill in backward order and close at >= bucket_mib MiB")
     return PASSED
 
 

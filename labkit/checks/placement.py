@@ -168,7 +168,7 @@ def _measure(rank, world_size, modes, grad_sync, width, rows):
         opt = adam(model.parameters())
     elif grad_mode == "Sharded":  # ZeRO-2: one layer a bucket
         opt = ShardedOptimizer(model.parameters(), adam, stage=2, gather="all_gather",
-                               bucket_mb=4 * (width * width + width) / MiB)
+                               bucket_mib=4 * (width * width + width) / MiB)
     else:  # ZeRO-1
         opt = ShardedOptimizer(model.parameters(), adam, stage=1, gather="all_gather",
                                reduce_scatter_gradients=grad_sync == "reduce_scatter")

@@ -70,7 +70,7 @@ def _setups():
     from labkit.parallel import FullyShardedDataParallel
 
     def labkit_dp(model):
-        dp = DataParallel(model, bucket_mb=25, first_bucket_mb=1)  # DDP's defaults
+        dp = DataParallel(model, bucket_mib=25, first_bucket_mib=1)  # DDP's defaults
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         return dp, opt, dp.finish_gradient_synchronization
 
@@ -79,7 +79,7 @@ def _setups():
         return ddp, torch.optim.Adam(ddp.parameters(), lr=1e-3), None
 
     def labkit_zero1(model):  # ZeRO-1 on data parallelism, as PyTorch's below
-        dp = DataParallel(model, bucket_mb=25, first_bucket_mb=1)
+        dp = DataParallel(model, bucket_mib=25, first_bucket_mib=1)
         opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
         return dp, opt, dp.finish_gradient_synchronization
 

@@ -36,10 +36,10 @@ class DataParallel(torch.nn.Module):
     used is allowed.
 
     Parameters and buffers are broadcast from rank 0 at construction; tied
-    weights are synced once, frozen ones never. bucket_mb: None sends one
+    weights are synced once, frozen ones never. bucket_mib: None sends one
     collective per parameter; else parameters, in reverse registration order
-    (about the order backward produces them), fill buckets of about bucket_mb MiB;
-    first_bucket_mb caps the first one (DDP's defaults: 25 and 1).
+    (about the order backward produces them), fill buckets of about bucket_mib MiB;
+    first_bucket_mib caps the first one (DDP's defaults: 25 and 1).
     broadcast_buffers: send rank 0's buffers at every forward, as DDP does.
     `events` holds this step's compute and communication spans (labkit.probe's
     Span; the usage check's all-gather is not among them). `mode` is one of MODES.
@@ -50,17 +50,17 @@ class DataParallel(torch.nn.Module):
     # the parameters each rank's backward reached, ceil(P/8) bytes a rank
     CHECK_PHASE = "DataParallel: same parameters used on every rank"
 
-    def __init__(self, module: torch.nn.Module, bucket_mb: float | None = None,
+    def __init__(self, module: torch.nn.Module, bucket_mib: float | None = None,
                  mode: str = "overlap", *, broadcast_buffers: bool = False,
                  group: dist.ProcessGroup | None = None,
-                 first_bucket_mb: float | None = None):
+                 first_bucket_mib: float | None = None):
         super().__init__()
-        guards.positive_mib(first_bucket_mb, "first_bucket_mb", "no cap of its own")
+        guards.positive_mib(first_bucket_mib, "first_bucket_mib", "no cap of its own")
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}, not {mode!r}")
-        guards.positive_mib(bucket_mb, "bucket_mb", "one collective per parameter")
+        guards.positive_mib(bucket_mib, "bucket_mib", "one collective per parameter")
         guards.require_process_group("DataParallel")
-        self.module, self.mode, self.bucket_mb = module, mode, bucket_mb
+        self.module, self.mode, self.bucket_mib = module, mode, bucket_mib
         self.broadcast_buffers = broadcast_buffers
         self.group = group if group is not None else dist.group.WORLD
         self.dp_rank = dist.get_rank(self.group)
@@ -75,8 +75,8 @@ class DataParallel(torch.nn.Module):
                 dist.broadcast(t, group=self.group, group_src=0)
         trainable = [(n, p) for n, p in unique.values() if p.requires_grad]
         self.param_ids = frozenset(id(p) for _, p in trainable)
-        cap = None if bucket_mb is None else bucket_mb * 2**20
-        first = None if first_bucket_mb is None else first_bucket_mb * 2**20
+        cap = None if bucket_mib is None else bucket_mib * 2**20
+        first = None if first_bucket_mib is None else first_bucket_mib * 2**20
         names = {id(p): n for n, p in trainable}
         self._buckets = [Bucket(i, ps, [names[id(p)] for p in ps]) for i, ps in
                          enumerate(fill([p for _, p in trainable[::-1]], cap, first))]
@@ -226,7 +226,7 @@ class DataParallel(torch.nn.Module):
         self._finalizer()
 
     def extra_repr(self) -> str:
-        return (f"mode={self.mode!r}, bucket_mb={self.bucket_mb}, "
+        return (f"mode={self.mode!r}, bucket_mib={self.bucket_mib}, "
                 f"buckets={len(self._buckets)}, dp_size={self.dp_size}")
 
     # -- backward ----------------------------------------------------------------

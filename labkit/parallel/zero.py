@@ -4,7 +4,7 @@ data-parallel ranks keeps the optimizer state (stage 1), and the averaged gradie
 
     opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)  # ZeRO-1
     loss.backward(); <all-reduce the gradients, op=AVG>; opt.step()
-    ShardedOptimizer(..., stage=2, bucket_mb=1)  # averaged during backward
+    ShardedOptimizer(..., stage=2, bucket_mib=1)  # averaged during backward
 
 Imports labkit.probe, zero_buckets and zero_state. The parameters become views into
 one flat buffer per param group, so `optimizer_cls` must be element-wise (no LAMB).
@@ -76,7 +76,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_cls: type[torch.optim.Optimizer], *,
                  stage: int = 1, reduce_scatter_gradients: bool | None = None,
-                 bucket_mb: float = 25.0, gather: str | None = None, group=None,
+                 bucket_mib: float = 25.0, gather: str | None = None, group=None,
                  **optimizer_kwargs):
         if stage not in (1, 2):
             raise ValueError(f"ShardedOptimizer does ZeRO stage 1 or 2, not {stage!r} "
@@ -86,7 +86,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if stage == 2 and not reduce_scatter_gradients:
             raise ValueError("stage 2 always reduce-scatters the gradients (in "
                              "backward); leave out reduce_scatter_gradients")
-        guards.positive_mib(bucket_mb, "bucket_mb")
+        guards.positive_mib(bucket_mib, "bucket_mib")
         if gather not in (None, *GATHERS):
             raise ValueError(f"gather must be one of {GATHERS} (or None: the "
                              f"backend's faster), not {gather!r}")
@@ -99,7 +99,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # another, which N broadcasts side by side beat (bench strategies)
         self.gather = gather or ("broadcast" if self._backend == "gloo"
                                  else "all_gather")
-        self._bucket_bytes = bucket_mb * 2**20  # MiB, like DDP's bucket_cap_mb
+        self._bucket_bytes = bucket_mib * 2**20  # MiB, like DDP's bucket_cap_mb
         self._cls, self.inner, self.groups = optimizer_cls, None, []
         self._hooks = BucketHooks(self._reduce_bucket) if stage == 2 else None
         super().__init__(params, dict(optimizer_kwargs))
