@@ -322,16 +322,17 @@ def _seq_one_process(dtype=torch.float32, pieces=1):
 
 
 def _train_sequential(rank, case):
-    """labkit's Checkpointed around an nn.Sequential of 3 Linear layers: units
-    inside it (every Linear) or the Checkpointed module itself (hooks outside)."""
+    """labkit's ActivationCheckpointed around an nn.Sequential of 3 Linear layers:
+    units inside it (every Linear) or the ActivationCheckpointed module itself
+    (hooks outside)."""
     from labkit import ledger
-    from labkit.parallel.checkpointing import Checkpointed
+    from labkit.parallel.activation_checkpointing import ActivationCheckpointed
 
     inner = _seq()
-    model = nn.Sequential(Checkpointed(inner))  # its units: not the root
+    model = nn.Sequential(ActivationCheckpointed(inner))  # its units: not the root
     x, y = (t[rank * BATCH // N:(rank + 1) * BATCH // N] for t in _seq_data())
     wrap = {"inner": lambda m: isinstance(m, nn.Linear),
-            "outer": lambda m: isinstance(m, Checkpointed)}[case["wrap"]]
+            "outer": lambda m: isinstance(m, ActivationCheckpointed)}[case["wrap"]]
     w, sync, fsdp = _wrap(model, case["how"], wrap)
     o = torch.optim.SGD(w.parameters(), lr=0.1, momentum=0.9)
     out = {}
@@ -376,7 +377,7 @@ def checkpointed(cluster):
 
 def _ck_name(c):
     if c["kind"] == "seq":
-        return f"Checkpointed(Sequential), {c['how']}, units {c['wrap']}"
+        return f"ActivationCheckpointed(Sequential), {c['how']}, units {c['wrap']}"
     return (f"{_name(c)}, checkpoint={c['checkpoint']}, "
             f"{'reentrant' if c['reentrant'] else 'non-reentrant'}")
 

@@ -150,7 +150,8 @@ def _measure(rank, world_size, modes, grad_sync, width, rows):
     import torch.nn.functional as F
 
     from labkit.ledger import memory, traffic
-    from labkit.parallel import OffloadedOptimizer, ShardedOptimizer, checkpoint
+    from labkit.parallel import (OffloadedOptimizer, ShardedOptimizer,
+                                 activation_checkpoint)
 
     _, opt_mode, grad_mode, act_mode = modes  # O, G, A
     torch.manual_seed(0)
@@ -173,7 +174,7 @@ def _measure(rank, world_size, modes, grad_sync, width, rows):
         opt = ShardedOptimizer(model.parameters(), adam, stage=1, gather="all_gather",
                                reduce_scatter_gradients=grad_sync == "reduce_scatter")
     if act_mode == "Materialized":  # a checkpointed block per layer
-        model = checkpoint(model, every=2)
+        model = activation_checkpoint(model, every=2)
     forward = []
 
     def step(mem=None):

@@ -7,11 +7,11 @@ tensor is held as) and a ledger that records listens there. docs/design.md says
 which file holds which technique.
 """
 
-from labkit.parallel.checkpointing import (
-    Checkpointed,
+from labkit.parallel.activation_checkpointing import (
+    ActivationCheckpointed,
     Flops,
     StepTime,
-    checkpoint,
+    activation_checkpoint,
     count_flops,
     time_step,
 )
@@ -96,10 +96,11 @@ from labkit.parallel.expert_routing import (
     within_capacity,
 )
 
-__all__ = ["Checkpointed", "DataParallel", "Flops", "FullyShardedDataParallel",
+__all__ = ["ActivationCheckpointed", "DataParallel", "Flops",
+           "FullyShardedDataParallel",
            "HostCopy", "MasterWeights",
            "OffloadedOptimizer", "ShardedOptimizer", "StepTime",
-           "checkpoint", "count_flops", "time_step"]
+           "activation_checkpoint", "count_flops", "time_step"]
 __all__ += ["ColumnParallelLinear", "ParallelGroups", "ParallelMLP",
             "ParallelSelfAttention", "ParallelTransformerLayer", "RowParallelLinear",
             "TransformerLayer", "grid", "ring_attention"]

@@ -1,4 +1,4 @@
-"""labkit.parallel.checkpointing: checkpointed blocks give the plain model's
+"""labkit.parallel.activation_checkpointing: checkpointed blocks give the plain model's
 gradients, hold fewer activations in forward (closed form below) and pay for it
 with exactly one more forward of the checkpointed layers in backward."""
 
@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 import labkit.ledger as L
-from labkit.parallel.checkpointing import (
-    Checkpointed,
+from labkit.parallel.activation_checkpointing import (
+    ActivationCheckpointed,
     StepTime,
-    checkpoint,
+    activation_checkpoint,
     count_flops,
     time_step,
 )
@@ -50,9 +50,10 @@ def test_gradients_are_the_plain_models(every, last, dropout):
     plain = _stack(dropout)
     ref = _grads(plain, _x())
     plain.zero_grad()
-    ck = checkpoint(plain, every=every * per, last=last)  # the same parameters
+    # the same parameters
+    ck = activation_checkpoint(plain, every=every * per, last=last)
     assert [id(p) for p in ck.parameters()] == [id(p) for p in plain.parameters()], (
-        "checkpoint() must keep the very same parameter objects")
+        "activation_checkpoint() must keep the very same parameter objects")
     got = _grads(ck, _x())
     for a, b in zip(got, ref):
         # bitwise: the recompute repeats the same ops, in the same order
@@ -82,7 +83,8 @@ def test_activation_peaks_against_the_closed_form(k):
         f"plain peaks {plain_fwd:,}, {plain_step:,} B; (L + 1) x {UNIT:,} expected")
     # Blocks of k layers keep only their inputs: the L/k block outputs (each the
     # next block's input; the last is the model's output), plus the same transient.
-    ck_fwd, ck_step = _forward_and_step_peaks(checkpoint(_stack(), every=2 * k))
+    ck_fwd, ck_step = _forward_and_step_peaks(
+        activation_checkpoint(_stack(), every=2 * k))
     assert ck_fwd == (LAYERS // k + 1) * UNIT, (
         f"k={k}: forward peak {ck_fwd:,} B, (L/k + 1) x {UNIT:,} expected")
     # In backward one block at a time is rebuilt: its k layers on top of the kept
@@ -105,11 +107,11 @@ def test_recompute_costs_exactly_one_more_forward():
     # gradient (x needs none)
     want = 2 * F - 2 * B * D * D
     assert plain.backward == want, f"plain backward {plain.backward:,}, {want:,}"
-    every = count_flops(checkpoint(_stack(), every=4), x)
+    every = count_flops(activation_checkpoint(_stack(), every=4), x)
     got, want = (every.forward, every.backward), (F, plain.backward + F)
     assert got == want, f"checkpointed forward, backward {got}, {want} expected"
     # the last block (4 of 8 layers) run plainly: half a forward more, not one
-    lazy = count_flops(checkpoint(_stack(), every=8, last=False), x)
+    lazy = count_flops(activation_checkpoint(_stack(), every=8, last=False), x)
     want = plain.backward + F // 2
     assert lazy.backward == want, f"lazy backward {lazy.backward:,}, {want:,}"
 
@@ -155,10 +157,10 @@ def test_timing_helper_times_forward_and_backward_apart():
 
 def test_checkpointed_module_and_bad_input():
     lin = nn.Linear(D, D)
-    wrapped = Checkpointed(lin)
+    wrapped = ActivationCheckpointed(lin)
     with torch.no_grad():  # nothing to save: runs plainly
         assert torch.equal(wrapped(_x()), lin(_x())), "not bit for bit the Linear's"
-    with pytest.raises(TypeError, match="Checkpointed"):
-        checkpoint(lin)
+    with pytest.raises(TypeError, match="ActivationCheckpointed"):
+        activation_checkpoint(lin)
     with pytest.raises(ValueError, match="every"):
-        checkpoint(_stack(), every=0)
+        activation_checkpoint(_stack(), every=0)

@@ -2,8 +2,8 @@
 torch.utils.checkpoint.checkpoint with use_reentrant=False: a checkpointed block
 keeps only its input in forward and runs its forward again in backward.
 
-    model = checkpoint(nn.Sequential(*layers), every=2)  # blocks of 2 layers
-    Checkpointed(block)  # one module
+    model = activation_checkpoint(nn.Sequential(*layers), every=2)  # blocks of 2 layers
+    ActivationCheckpointed(block)  # one module
 
 Imports torch and labkit.arguments. The recompute stops once it has rebuilt what
 backward needs, so a block's trailing ops whose outputs backward never reads are
@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from labkit.arguments import whole
 
 
-class Checkpointed(nn.Module):
+class ActivationCheckpointed(nn.Module):
     """Forward: `module`'s, keeping only its inputs; backward: recompute, then
     `module`'s backward. Same parameters (the very objects) as `module`."""
 
@@ -39,20 +39,21 @@ class Checkpointed(nn.Module):
         return _torch_checkpoint(self.module, *args, use_reentrant=False, **kwargs)
 
 
-def checkpoint(model: nn.Sequential, every: int = 1, *,
+def activation_checkpoint(model: nn.Sequential, every: int = 1, *,
                last: bool = True) -> nn.Sequential:
-    """`model`'s layers in blocks of `every`, each block Checkpointed; a new
+    """`model`'s layers in blocks of `every`, each block ActivationCheckpointed; a new
     nn.Sequential over the same layer objects (so the same parameters). With
     last=False the final block runs plainly: its activations would be rebuilt at
     once anyway, so checkpointing it buys no memory and costs a forward."""
     if not isinstance(model, nn.Sequential):
-        raise TypeError(f"checkpoint() splits an nn.Sequential into blocks; for a "
+        raise TypeError("activation_checkpoint() splits an nn.Sequential into blocks; "
+                        f"for a "
                         f"{type(model).__name__}, wrap the submodules you choose in "
-                        "Checkpointed(...) instead")
+                        "ActivationCheckpointed(...) instead")
     whole(every, "every")
     layers = list(model)
     blocks = [layers[i:i + every] for i in range(0, len(layers), every)]
-    out = [Checkpointed(nn.Sequential(*b)) for b in blocks]
+    out = [ActivationCheckpointed(nn.Sequential(*b)) for b in blocks]
     if not last and out:
         out[-1] = out[-1].module
     return nn.Sequential(*out)
