@@ -89,6 +89,27 @@ def test_every_section_has_speaker_notes(path):
             f"{path.name}, {s}: notes must open with *Speaker notes.*")
 
 
+def test_clean_interrupted_leaves_the_chapter_whole(tmp_path, monkeypatch):
+    """clean rewrites a chapter in place: a death between writing and renaming
+    leaves the old text, and no temporary file behind."""
+    from labkit.cli import atomic
+
+    nb = {"cells": [{"cell_type": "code", "id": "c1", "source": "1", "metadata": {},
+                     "execution_count": 3, "outputs": []}],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    p = tmp_path / "x.ipynb"
+    p.write_text(json.dumps(nb))
+    before = p.read_bytes()
+
+    def killed(src, dst):
+        raise KeyboardInterrupt("killed before the rename")
+    monkeypatch.setattr(atomic.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        clean(p)
+    assert p.read_bytes() == before, "the chapter changed though the write never ended"
+    assert [q.name for q in tmp_path.iterdir()] == ["x.ipynb"], "a temporary was left"
+
+
 def test_clean_strips_outputs_and_counts(tmp_path):
     nb = {"cells": [{"cell_type": "code", "source": "1", "metadata": {},
                      "execution_count": 3,

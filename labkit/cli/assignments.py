@@ -17,6 +17,7 @@ import re
 import shutil
 from pathlib import Path
 
+from labkit.cli import atomic
 from labkit.cli.nbclean import as_saved
 from labkit.cli.student import (
     EXERCISE,
@@ -183,8 +184,7 @@ def build(out: Path = ROOT / "dist" / "nbgrader", notebooks: Path = ROOT / "note
             books[p] = assignment(nb, p.name)
     out = Path(out)
     (out / "source").mkdir(parents=True, exist_ok=True)
-    (out / "nbgrader_config.py").write_text(CONFIG % {"timeout": timeout},
-                                            encoding="utf-8")
+    atomic.write_text(out / "nbgrader_config.py", CONFIG % {"timeout": timeout})
     written = []
     for p, book in books.items():
         folder = out / "source" / p.stem
@@ -195,8 +195,7 @@ def build(out: Path = ROOT / "dist" / "nbgrader", notebooks: Path = ROOT / "note
                     (folder / "images").mkdir(exist_ok=True)
                     shutil.copy2(Path(images) / image, folder / "images" / image)
         dest = folder / p.name
-        dest.write_text(as_saved(book),
-                        encoding="utf-8")
+        atomic.write_text(dest, as_saved(book))
         written.append(dest)
     return written
 

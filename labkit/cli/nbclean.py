@@ -1,12 +1,14 @@
 """Notebooks are committed clean (no outputs, no execution counts) and written as
 JupyterLab saves them, so a save in JupyterLab changes nothing: `as_saved`.
-Imports nbformat and ipykernel (the kernel's language_info)."""
+Imports nbformat, ipykernel (the kernel's language_info) and cli.atomic."""
 
 from __future__ import annotations
 
 import ast
 import json
 from pathlib import Path
+
+from labkit.cli import atomic
 
 # markdown a chapter means for the speaker, not the screen (reveal.js's notes)
 NOTES = "notes"
@@ -63,7 +65,7 @@ def clean(path: str | Path) -> bool:
     meta["kernelspec"] = kernelspec()
     new = as_saved(nb)
     if new != text:
-        path.write_text(new, encoding="utf-8")
+        atomic.write_text(path, new)  # a chapter, rewritten in place
         return True
     return False
 
@@ -128,6 +130,6 @@ def mark_slides(path: str | Path) -> bool:
     meta["rise"] = {**meta.get("rise", {}), "scroll": True}
     new = as_saved(nb)
     if new != text:
-        path.write_text(new, encoding="utf-8")
+        atomic.write_text(path, new)  # a chapter, rewritten in place
         return True
     return False
