@@ -112,7 +112,7 @@ def _flush_labkit(grads, world_size):
     for p, g in zip(params, grads):
         p.grad = g
     bucket = Bucket(0, params, [])
-    flat, _ = bucket.to_send()  # labkit's own bucket: the .grads become its views
+    flat = bucket.to_send()  # labkit's own bucket: the .grads become its views
     work = dist.all_reduce(flat, async_op=True)
 
     def finish():

@@ -1,7 +1,7 @@
 """Layer 2, measurement: what a rank holds and sends, the memory and traffic ledgers.
 
-Imports torch, labkit.runtime (to tell a status request which collective a rank
-is in), labkit.probe, labkit.conventions and labkit.units; nothing above it.
+Imports torch, labkit.runtime (its forkserver: ranks start with the ledger
+imported), labkit.probe, labkit.conventions and labkit.units; nothing above it.
 
 `traffic()` records every collective a rank makes; `memory(...)` tracks the bytes a
 process holds by category (`steps`: one entry per optimizer step); `holdings(...)`

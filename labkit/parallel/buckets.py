@@ -61,28 +61,27 @@ class Bucket:
             raise ValueError("a bucket's parameters must share one dtype, got "
                              f"{sorted({str(p.dtype) for p in self.params})}")
 
-    def to_send(self) -> tuple[torch.Tensor, bool]:
-        """The tensor to send and whether it is new: the lone parameter's .grad
-        itself; else the flat buffer, after each .grad not yet a view of it is
-        copied in and made one, and the slot of a parameter without a gradient is
-        zeroed (this rank's part of the sum; its .grad stays None)."""
+    def to_send(self) -> torch.Tensor:
+        """The tensor to send: the lone parameter's .grad itself (or a copy); else
+        the flat buffer, after each .grad not yet a view of it is copied in and
+        made one, and the slot of a parameter without a gradient is zeroed (this
+        rank's part of the sum; its .grad stays None)."""
         ps = self.params
         if len(ps) == 1:
             g = ps[0].grad
             if g is not None and g.is_contiguous():
-                return g, False
+                return g
             copy = (torch.zeros(ps[0].numel(), dtype=ps[0].dtype, device=ps[0].device)
                     if g is None else g.reshape(-1).clone())
             count_as(copy, "Temp")  # made to send
-            return copy, True
+            return copy
         # the last buffer is used again while its .grads live and nobody else
         # holds one (after zero_grad(set_to_none=False): summed in place);
         # otherwise a new one, so a .grad kept from the last step stays as it was
         flat = self._flat() if self._flat is not None else None
         grads = {id(p.grad) for p in ps if p.grad is not None}
         self._lent = [r for r in self._lent if r() is not None]
-        new = flat is None or any(id(r()) not in grads for r in self._lent)
-        if new:
+        if flat is None or any(id(r()) not in grads for r in self._lent):
             flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype,
                                device=ps[0].device)
             self._flat, self._lent = weakref.ref(flat), []
@@ -103,7 +102,7 @@ class Bucket:
             self._lent.append(weakref.ref(slot))
         if moved:
             count_as(flat, "Gradient")
-        return flat, new
+        return flat
 
     def received(self, sent: torch.Tensor) -> None:
         """After the collective: where `sent` is not the .grads' storage (a lone

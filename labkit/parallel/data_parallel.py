@@ -273,7 +273,7 @@ class DataParallel(torch.nn.Module):
         """Send bucket b. Every rank sends every bucket, in order, once a step: a
         gradient this rank did not make goes as zeros (its part of the sum)."""
         self._next = b.index + 1
-        b.sent, _ = b.to_send()  # the .grads' flat buffer, or a lone gradient
+        b.sent = b.to_send()  # the .grads' flat buffer, or a lone gradient
         b.issued = time.perf_counter()
         if self.mode == "parameter_server":
             b.gathered = ([torch.empty_like(b.sent) for _ in range(self.dp_size)]

@@ -6,7 +6,7 @@ Language Model Training on GPU Clusters Using Megatron-LM", sec. 2 and 3).
     run = ThreeD(model, g, microbatches=2)              # this rank's part of it
     opt.zero_grad(); loss = run.step(tokens, targets); opt.step()
 
-Imports labkit.parallel's models, data_parallel, pipeline_parallel and
+Imports labkit.parallel's buckets, models, pipeline_parallel and
 sequence_parallel. Every byte travels in exactly one of the tp, pp and dp groups.
 """
 
@@ -101,7 +101,7 @@ class ThreeD(nn.Module):
         if self._bucket is None or [id(p) for p in self._bucket.params] != [
                 id(p) for p in params]:  # the first step's, or other gradients
             self._bucket = Bucket(0, params, [])
-        flat, _ = self._bucket.to_send()  # DataParallel's naive mode, one bucket
+        flat = self._bucket.to_send()  # DataParallel's naive mode, one bucket
         dist.all_reduce(flat, group=g.dp_group)
         flat /= g.dp_size
         self._bucket.received(flat)
