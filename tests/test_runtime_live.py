@@ -11,7 +11,6 @@ from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
 
 import labkit
-from labkit.runtime import call
 from tests.conftest import wait_gone
 
 SETUP = """
@@ -195,10 +194,8 @@ class Sink:
 
 
 @pytest.fixture()
-def watched(monkeypatch):
-    sink = Sink()
-    monkeypatch.setattr(call, "_publisher", lambda: sink)
-    return sink
+def watched():
+    return Sink()  # the live view's frontend: Cluster.run(..., publish=watched)
 
 
 def test_ten_thousand_lines_all_arrive_in_order(watched):
@@ -207,7 +204,7 @@ def test_ten_thousand_lines_all_arrive_in_order(watched):
             print(f"line {i}")
 
     with labkit.Cluster(2) as c:
-        res = c.run(many)
+        res = c.run(many, publish=watched)
     for r in (0, 1):
         assert res.outputs[r] == "".join(f"line {i}\n" for i in range(10_000))
     final, is_final = watched.frames[-1]
@@ -224,23 +221,21 @@ def test_a_rank_that_dies_mid_print_keeps_its_last_lines(watched):
 
     with labkit.Cluster(2, timeout=20) as c:
         with pytest.raises(labkit.RankError, match="rank 1 exited with code 3"):
-            c.run(die)
+            c.run(die, publish=watched)
     final, is_final = watched.frames[-1]
     assert is_final and "[rank 1] before the end" in final
 
 
-def test_a_frontend_that_fails_never_breaks_the_call(monkeypatch, capsys):
+def test_a_frontend_that_fails_never_breaks_the_call(capsys):
     def broken(bundle, final=False):
         raise RuntimeError("the frontend went away")
-
-    monkeypatch.setattr(call, "_publisher", lambda: broken)
 
     def hello(rank, world_size):
         print("still here")
         return rank
 
     with labkit.Cluster(2) as c:
-        assert c.run(hello).values == [0, 1]
+        assert c.run(hello, publish=broken).values == [0, 1]
     assert capsys.readouterr().out == "[rank 0] still here\n[rank 1] still here\n"
 
 
