@@ -35,3 +35,29 @@ def test_runtime_names_load_on_first_use():
         import labkit
 
         labkit.Clustr  # noqa: B018
+
+
+_CELLS = """
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell({cell!r}).raise_error()
+import sys
+fs = sys.modules.get("labkit.runtime.forkserver")
+print(bool(fs and fs.started()))
+"""
+
+
+@pytest.mark.parametrize("cell, starts", [
+    ("import labkit", True),  # a chapter's first cell: ranks will follow
+    ("import labkit, torch\nfrom labkit import viz", True),
+    ("import labkit.theory", False),  # the calculator alone: no process
+])
+def test_in_a_notebook_the_forkserver_starts_once_the_importing_cell_ends(
+        cell, starts):
+    env = {k: v for k, v in os.environ.items() if k != "LABKIT_PREWARM"}
+    out = subprocess.run([sys.executable, "-c", _CELLS.format(cell=cell)],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == str(starts), (
+        f"after a cell {cell!r}: forkserver started {out.stdout!r}, "
+        f"expected {starts}")
