@@ -9,6 +9,14 @@ from collections import Counter
 import psutil
 import pytest
 
+from labkit.runtime.platform import start_method
+
+# tests of the fork start's own machinery (a forkserver that imported torch hands
+# over to a successor): the portable start (LABKIT_START=portable) has none
+FORK_ONLY = pytest.mark.skipif(
+    start_method() != "fork", reason="the fork start's hand-over; the portable "
+    "start's forkserver imports nothing (its spares do)")
+
 
 def alive(pid: int) -> bool:
     """True while the process exists and is not a zombie.

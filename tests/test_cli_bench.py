@@ -9,7 +9,7 @@ from labkit.cli import bench, main
 from labkit.cli.bench import Row, cluster_rows, exit_code, table
 from labkit.cli.bench_ring import ring_rows
 
-GOOD = dict(warm=(1.0, 3.0), cold=(2.5, 5.0), first_restart=0.2, restart=0.1,
+GOOD = dict(warm=(0.1, 3.0), cold=(1.2, 5.0), first_restart=0.2, restart=0.1,
             p50=5e-4, p99=2e-3, ar50=0.05, spawn=4.0, file_s=0.2, live_s=0.25)
 
 
@@ -53,6 +53,14 @@ def test_cluster_figures_and_their_targets():
     slow = cluster_rows(**dict(GOOD, first_restart=0.45))
     assert _by_name(slow)[fresh].status == "short"
     assert exit_code(slow) == 1
+    late = cluster_rows(**dict(GOOD, warm=(0.5, 3.0)))  # prewarmed, 0.2 s at most
+    assert exit_code(late) == 1, table(late)
+    cold = cluster_rows(**dict(GOOD, cold=(1.6, 5.0)))
+    assert exit_code(cold) == 1, table(cold)
+    # the portable start's starts and restarts are printed, not held to the fork's
+    portable = cluster_rows(**dict(GOOD, warm=(3.0, 6.0), cold=(5.0, 9.0),
+                                   first_restart=2.0, restart=1.0), start="portable")
+    assert exit_code(portable) == 0, table(portable)
     # spawn per call must be >= 1000x a warm no-op: 4 s / 5 ms is only 800x
     slow_live = _by_name(cluster_rows(**dict(GOOD, live_s=0.31)))  # 1.55x
     assert slow_live["  live / files only"].status == "short"

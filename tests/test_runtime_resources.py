@@ -19,6 +19,7 @@ from labkit.runtime import forkserver as fs
 from labkit.runtime import output
 from labkit.runtime.output import RankOutput, _Stream
 from labkit.runtime.scratch import start_time
+from tests.conftest import FORK_ONLY
 
 MIB = 1 << 20
 
@@ -194,6 +195,7 @@ with labkit.Cluster(1) as c:  # a new forkserver replaces the dead one
 """
 
 
+@FORK_ONLY
 def test_a_retired_or_replaced_forkserver_is_let_go_at_once():
     r = subprocess.run([sys.executable, "-c", _LET_GO], capture_output=True,
                        text=True, timeout=240)

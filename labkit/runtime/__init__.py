@@ -29,11 +29,12 @@ from labkit.runtime.timeouts import Timeouts  # noqa: E402
 # for the layers above (the CLI, the checks, the ledgers)
 from labkit.runtime.backend import gpu_count, resolve_backend  # noqa: E402
 from labkit.runtime.launch import launch_torchrun  # noqa: E402
+from labkit.runtime.platform import available_starts  # noqa: E402
 from labkit.runtime.results_io import merge_records, read_records  # noqa: E402
 from labkit.runtime.status import innermost_users, line_of  # noqa: E402
 
 __all__ = ["CallInterrupted", "Cluster", "ClusterClosed", "CollectiveTimeout",
            "RankError", "RankResults", "ResultsError", "SendTimeout", "Timeouts",
            "default_cluster", "load_results", "progress", "run"]
-__all__ += ["gpu_count", "innermost_users", "launch_torchrun", "line_of",
-            "merge_records", "read_records", "resolve_backend"]
+__all__ += ["available_starts", "gpu_count", "innermost_users", "launch_torchrun",
+            "line_of", "merge_records", "read_records", "resolve_backend"]

@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 
-from labkit.runtime import forkserver, wire
+from labkit.runtime import forkserver, platform, wire
 from labkit.runtime.backend import (
     check_ranks,
     check_timeout,
@@ -65,13 +65,17 @@ class Cluster:
     stopped, to give their memory back; the next `run` starts them again,
     without the variables earlier %%ranks cells left on them (default:
     $LABKIT_IDLE_TIMEOUT, else None: never). timeouts: how long every other
-    wait may take (a Timeouts record; default Timeouts()).
+    wait may take (a Timeouts record; default Timeouts()). start: how ranks are
+    started, "fork" (Linux) or "portable" (macOS; no fork after importing torch);
+    default $LABKIT_START, else this platform's (labkit/runtime/platform.py).
     """
 
     def __init__(self, world_size: int = 4, backend: str = "auto",
                  timeout: float | None = 30.0, *, threads: int | None = None,
-                 idle_timeout=_DEFAULT, timeouts: Timeouts | None = None):
+                 idle_timeout=_DEFAULT, timeouts: Timeouts | None = None,
+                 start: str | None = None):
         self._closed = False
+        self.start = platform.start_method(start)
         self._lock = threading.RLock()  # held by a call, close(), restart()
         self._turn = threading.Condition(threading.Lock())  # guards the next 3
         self._waiting = 0  # close()/restart() waiting for the lock
@@ -344,22 +348,21 @@ class Cluster:
 
     def _how_ended(self, rank: int) -> str:
         """'killed by SIGKILL', as the forkserver that reaped the rank saw it."""
-        return forkserver.shared().exit_status(
+        return forkserver.shared(self.start).exit_status(
             self._pids[rank], wait=self.timeouts.exit_report) or "exited"
 
     def _start(self) -> None:
         self._gen += 1
         deadline = time.monotonic() + self.timeouts.start
         self._output.restarted()
-        pids = forkserver.shared().spawn(
+        pids = forkserver.shared(self.start).spawn(
             [self._spec(r) for r in range(self.world_size)], deadline,
             poll=self.timeouts.poll)
         self._pids = dict(enumerate(pids))
         for r, pid in self._pids.items():
-            try:
-                self._pidfds[r] = os.pidfd_open(pid)
-            except (AttributeError, OSError):
-                pass
+            fd = platform.pidfd_open(pid)
+            if fd is not None:
+                self._pidfds[r] = fd
         try:
             self._connect_ranks(deadline)
         except BaseException:
@@ -444,7 +447,7 @@ class Cluster:
         end = time.monotonic() + wait
         while True:
             for rank, pid in self._pids.items():
-                how = forkserver.shared().exit_status(pid)
+                how = forkserver.shared(self.start).exit_status(pid)
                 if how:
                     err = self._output.read(rank, "err", 4000)
                     raise RuntimeError(

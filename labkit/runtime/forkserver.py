@@ -1,8 +1,7 @@
-"""The forkserver: a process with torch imported that forks rank processes.
-
-This is the kernel's side: `Forkserver` is its handle on the process
-(forkserver_process.py), `shared()` the one per kernel. Imports labkit.runtime's
-wire, messages and timeouts, and the standard library.
+"""The forkserver, kernel side: `Forkserver` is the kernel's handle on the process
+that forks ranks (forkserver_process.py), `shared(start)` the one per kernel and
+start method (platform.py). Imports labkit.runtime's platform, wire, messages and
+timeouts, and the standard library.
 
 What a layer above asks to have imported later (`preload_when_idle`) a serving
 forkserver never imports itself, since it could not fork meanwhile: once idle it
@@ -21,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from labkit.runtime import wire
+from labkit.runtime import platform, wire
 from labkit.runtime.messages import (
     ROLE_ENV,
     ForkserverReady,
@@ -50,8 +49,9 @@ def preload_when_idle(*names: str) -> None:
     if not new:
         return
     _WANTED.extend(new)
-    if _SHARED is not None and _SHARED.alive():
-        _SHARED.ask_preload(tuple(new))
+    for server in list(_SHARED.values()):
+        if server.alive():
+            server.ask_preload(tuple(new))
 
 
 # ---------------------------------------------------------- the kernel's handle
@@ -60,7 +60,8 @@ def preload_when_idle(*names: str) -> None:
 class Forkserver:
     """The kernel's handle on its forkserver (and the successor that takes over)."""
 
-    def __init__(self):
+    def __init__(self, start: str = "fork"):
+        self.start = start
         lifeline_r, self._lifeline_w = os.pipe()
         mine, theirs = socket.socketpair()
         src_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -72,12 +73,13 @@ class Forkserver:
         # even when the kernel is killed
         self.log = tempfile.TemporaryFile(prefix="labkit-forkserver-")
         code = "import sys; from labkit.runtime.forkserver_process import serve; " \
-               "serve(*map(int, sys.argv[1:]))"
+               "serve(*map(int, sys.argv[1:4]), sys.argv[4])"
         # a fresh python, not a fork of the multi-threaded kernel, in a session
-        # of its own; it imports torch once and forks every rank after that
+        # of its own; it imports torch once and forks every rank after that (the
+        # portable start: it forks spares, which import torch themselves)
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, str(theirs.fileno()), str(lifeline_r),
-             str(os.getpid())],
+             str(os.getpid()), start],
             pass_fds=(theirs.fileno(), lifeline_r),
             start_new_session=True,
             stdin=subprocess.DEVNULL,
@@ -237,7 +239,10 @@ class Forkserver:
 
     def wait_preloaded(self, timeout: float = DEFAULT.preload) -> bool:
         """Wait until the forkserver that forks has imported what was asked for
-        (PRELOAD_WHEN_IDLE and what layers above added)."""
+        (PRELOAD_WHEN_IDLE and what layers above added). The portable start
+        preloads nothing (its ranks import on first use): True at once."""
+        if self.start == "portable":
+            return True
         end = time.monotonic() + timeout
         while not set(_WANTED) <= set(self.preloaded):
             if time.monotonic() > end:
@@ -260,19 +265,26 @@ def select_one(sock, timeout):
     return select.select([sock], [], [], timeout)
 
 
-_SHARED: Forkserver | None = None
+_SHARED: dict[str, Forkserver] = {}  # by start method
 _SHARED_LOCK = threading.Lock()
 
 
-def shared() -> Forkserver:
-    """This process's forkserver, started on first use (or again if it died)."""
-    global _SHARED
+def shared(start: str | None = None) -> Forkserver:
+    """This process's forkserver for `start` (None: platform.start_method()),
+    started on first use (or again if it died)."""
+    start = platform.start_method(start)
     with _SHARED_LOCK:
-        if _SHARED is None or not _SHARED.alive():
-            if _SHARED is not None:
-                _SHARED.close()  # dead: let go of what the kernel held for it
-            _SHARED = Forkserver()
-        return _SHARED
+        server = _SHARED.get(start)
+        if server is None or not server.alive():
+            if server is not None:
+                server.close()  # dead: let go of what the kernel held for it
+            server = _SHARED[start] = Forkserver(start)
+        return server
+
+
+def started() -> list[str]:
+    """The start methods whose forkserver this process has started and is alive."""
+    return [start for start, server in _SHARED.items() if server.alive()]
 
 
 def prewarm() -> None:

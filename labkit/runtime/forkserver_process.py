@@ -1,8 +1,11 @@
-"""The forkserver process (forkserver.py is the kernel's handle on it): import
-torch and what the kernel asked for at its start (Preload), say ready, fork a rank
-per request and report how each ended; hand over to a successor that has imported
-what was asked for later once idle, and exit once the kernel says the successor
-forks (Retire) and the ranks it forked have exited."""
+"""The forkserver process (forkserver.py is the kernel's handle on it).
+
+Fork start: import torch and what the kernel asked for at its start (Preload), say
+ready, fork a rank per request and report how each ended; hand over to a successor
+that has imported what was asked for later once idle, and exit once the kernel
+says the successor forks (Retire) and the ranks it forked have exited.
+Portable start (platform.py): import no torch; ranks come from spares, processes
+forked from here that import torch themselves and wait for their rank's spec."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import signal
 import socket
 import sys
 
-from labkit.runtime import wire
+from labkit.runtime import platform, wire
 from labkit.runtime.messages import (
     ROLE_ENV,
     ForkserverReady,
@@ -27,29 +30,52 @@ from labkit.runtime.messages import (
 
 IDLE_BEFORE_PRELOAD = 1.0  # seconds idle after serving a cluster
 IDLE_UNSERVED = 3.0  # ... or after starting, when no cluster came (a student reads)
+IDLE_BEFORE_SPARES = 2.0  # portable start: idle seconds after a start, then spares
 
 
-def serve(ctrl_fd: int, lifeline_fd: int, kernel_pid: int) -> None:
-    """The forkserver's main: import torch, say ready, fork ranks on request."""
+def serve(ctrl_fd: int, lifeline_fd: int, kernel_pid: int,
+          start: str = "fork") -> None:
+    """The forkserver's main: import torch (fork start), say ready, start ranks
+    on request."""
     os.environ[ROLE_ENV] = "forkserver"
-    import cloudpickle  # noqa: F401  (imported once here, inherited by every rank)
-    import torch
-    import torch.distributed  # noqa: F401
-
+    if start == "fork":
+        _import_torch()  # once here, inherited by every rank
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # what says the kernel is gone: EOF on a pipe only it writes to, or its pidfd
-    gone = tuple(fd for fd in (lifeline_fd, _pidfd_open(kernel_pid)) if fd >= 0)
+    gone = tuple(fd for fd in (lifeline_fd, platform.pidfd_open(kernel_pid))
+                 if fd is not None)
     if os.getppid() != kernel_pid:  # the kernel died while we imported torch
         return
     ctrl = socket.socket(fileno=ctrl_fd)
-    wanted = _import_asked_at_start(ctrl)
-    if wanted is not None:  # None: the kernel is gone
-        _loop(ctrl, gone, wanted=wanted)
+    if start == "portable":
+        wanted = _asked_at_start(ctrl)
+        if wanted is not None:
+            _loop(ctrl, gone, wanted=wanted, spares=Spares(gone))
+    else:
+        wanted = _import_asked_at_start(ctrl)
+        if wanted is not None:  # None: the kernel is gone
+            _loop(ctrl, gone, wanted=wanted)
     # gone or retired: exit now, without tearing torch down (seconds of a process
     # that holds nothing anyone needs), as a successor does
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _import_torch() -> None:
+    import cloudpickle  # noqa: F401
+    import torch
+    import torch.distributed  # noqa: F401
+
+
+def _asked_at_start(ctrl: socket.socket) -> tuple[str, ...] | None:
+    """The kernel's first message, a Preload: what ranks should have imported."""
+    msg = wire.recv(ctrl)
+    if msg is None:
+        return None
+    if not isinstance(msg, Preload):
+        raise RuntimeError(f"the forkserver's first message: {msg!r}, not Preload")
+    return tuple(dict.fromkeys(msg.names))
 
 
 def _import_asked_at_start(ctrl: socket.socket) -> tuple[str, ...] | None:
@@ -66,26 +92,29 @@ def _import_asked_at_start(ctrl: socket.socket) -> tuple[str, ...] | None:
     if not isinstance(msg, Preload):  # the handle sends a Preload first
         raise RuntimeError(f"the forkserver's first message: {msg!r}, not Preload")
     for name in msg.names:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass  # never forked with it: ranks import (or fail) on first use
+        _try_import(name)  # never forked with it: ranks import it on first use
     return tuple(dict.fromkeys(msg.names))
 
 
-def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...]):
+def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...],
+          spares: Spares | None = None):
     """Serve `ctrl` until the kernel is gone. `wanted`: modules asked for so far
     (Preload); once idle with some not imported, hand over to a successor that
     imports them (once: a forkserver that handed over only serves until its
-    successor is ready). Returns, to exit, when the kernel is gone, or once
-    retired (Retire) with no rank of its own left."""
+    successor is ready). With `spares` (the portable start) ranks come from them,
+    which import what is wanted themselves: no successor. Returns, to exit, when
+    the kernel is gone, or once retired (Retire) with no rank of its own left."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select via wake_w
     wire.send(ctrl, ForkserverReady(os.getpid(), _imported(wanted)))
-    served = handed_over = retired = False
+    served = retired = False
+    handed_over = spares is not None or not platform.CAN_HAND_OVER
     ranks: set[int] = set()  # forked here and not yet reaped
+    keep = (ctrl.fileno(), wake_r, wake_w)
+    if spares is not None:
+        spares.fill(keep)
     while True:
         if retired and not ranks:
             return
@@ -94,7 +123,12 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...]):
         idle = None
         if missing:
             idle = IDLE_BEFORE_PRELOAD if served else IDLE_UNSERVED
+        elif spares is not None and spares.short():
+            idle = IDLE_BEFORE_SPARES
         ready, _, _ = select.select([ctrl, wake_r, *gone], [], [], idle)
+        if not ready and spares is not None:  # idle: new spares import torch
+            spares.fill(keep)
+            continue
         if not ready:  # idle: let a successor import more, then take over
             _start_successor(ctrl, gone, wanted, close=(wake_r, wake_w))
             handed_over = True
@@ -103,7 +137,10 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...]):
             return
         if wake_r in ready:
             os.read(wake_r, 4096)
-            ranks -= _reap(ctrl)
+            reaped = _reap(ctrl)
+            ranks -= reaped
+            if spares is not None:
+                spares.forget(reaped)
         if ctrl in ready:
             msg = wire.recv(ctrl)
             if msg is None:
@@ -112,17 +149,23 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...]):
                 retired = True
             elif isinstance(msg, Preload):
                 wanted = tuple(dict.fromkeys((*wanted, *msg.names)))
-                if not handed_over and set(wanted) <= sys.modules.keys():
+                if spares is not None:  # ranks import it on first use
+                    pass
+                elif not handed_over and set(wanted) <= sys.modules.keys():
                     # imported already (by torch, say): no successor; say so
                     wire.send(ctrl, ForkserverReady(os.getpid(), wanted))
             elif isinstance(msg, Spawn):
                 sys.stdout.flush()
                 sys.stderr.flush()
-                keep = (ctrl.fileno(), wake_r, wake_w)
-                pids = tuple(_fork_rank(spec, keep, gone) for spec in msg.specs)
+                if spares is None:
+                    pids = tuple(_fork_rank(spec, keep, gone) for spec in msg.specs)
+                else:
+                    pids = tuple(spares.start(spec, keep) for spec in msg.specs)
                 ranks.update(pids)
                 wire.send(ctrl, Spawned(pids))
                 served = True
+                if spares is not None:  # once idle, ready for the next (re)start
+                    spares.target = max(spares.target, len(msg.specs))
 
 
 def _start_successor(ctrl, gone, wanted, close) -> None:
@@ -174,13 +217,6 @@ def describe_status(status: int) -> str:
     return f"exited with code {code}"
 
 
-def _pidfd_open(pid: int) -> int:
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return -1
-
-
 def _fork_rank(spec, close_fds: tuple[int, ...], gone: tuple[int, ...]) -> int:
     pid = os.fork()
     if pid:
@@ -205,3 +241,99 @@ def _fork_rank(spec, close_fds: tuple[int, ...], gone: tuple[int, ...]) -> int:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+# ------------------------------------------------------------ the portable start
+
+SPARES = 4  # spares kept ready by default ($LABKIT_SPARES): the default cluster's
+
+
+class Spares:
+    """Processes forked from the portable forkserver (no torch imported) that
+    import torch and wait for a rank's spec: a start or a restart takes them
+    instead of waiting for torch's import. What ranks import on first use
+    (Preload: torch._dynamo...) they import then, each its own: nothing is shared
+    after the fork anyway. As many are kept as the largest start asked for (at
+    least $LABKIT_SPARES), forked at the server's start and then once it has been
+    idle a while (not during a start: their imports would slow the ranks')."""
+
+    def __init__(self, gone: tuple[int, ...]):
+        self.gone = gone
+        self.waiting: list[tuple[int, socket.socket]] = []  # oldest first
+        self.target = int(os.environ.get("LABKIT_SPARES", SPARES))
+
+    def short(self) -> bool:
+        return len(self.waiting) < self.target
+
+    def fill(self, keep: tuple[int, ...]) -> None:
+        while len(self.waiting) < self.target:
+            self.waiting.append(self._fork(keep))
+
+    def start(self, spec, keep: tuple[int, ...]) -> int:
+        """Hand `spec` to the oldest spare (a fresh one if none waits); its pid."""
+        while self.waiting:
+            pid, sock = self.waiting.pop(0)
+            try:
+                wire.send(sock, spec)
+                return pid
+            except OSError:
+                pass  # it died waiting: the next
+            finally:
+                sock.close()
+        pid, sock = self._fork(keep)
+        with sock:
+            wire.send(sock, spec)
+        return pid
+
+    def forget(self, pids: set[int]) -> None:
+        """Drop the spares among `pids`, which have exited while waiting."""
+        for pid, sock in [w for w in self.waiting if w[0] in pids]:
+            sock.close()
+            self.waiting.remove((pid, sock))
+
+    def _fork(self, keep: tuple[int, ...]) -> tuple[int, socket.socket]:
+        ours, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid:
+            theirs.close()
+            return pid, ours
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for fd in (*keep, ours.fileno(), *(s.fileno() for _, s in self.waiting)):
+                os.close(fd)
+            code = _spare(theirs, self.gone)
+        except BaseException:  # noqa: BLE001  (whatever happens, report it and leave)
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+
+
+def _spare(sock: socket.socket, gone: tuple[int, ...]) -> int:
+    """A spare's life: import torch, wait for a spec, be that rank."""
+    _import_torch()
+    from labkit.runtime.rank import rank_main
+
+    ready = select.select([sock, *gone], [], [])[0]
+    if any(fd in ready for fd in gone):
+        return 0  # the kernel is gone
+    spec = wire.recv(sock)
+    if spec is None:
+        return 0  # the forkserver is gone, or let this spare go
+    sock.close()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return rank_main(spec, gone)
+
+
+def _try_import(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass  # the rank imports it (or fails) on first use

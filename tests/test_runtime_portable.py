@@ -1,0 +1,86 @@
+"""The portable start (labkit/runtime/platform.py), forced here on Linux: a
+forkserver that never imports torch, whose ranks come from spares that import it
+after the fork. What a macOS student runs; CI also runs every runtime test and
+chapters 00-02 with LABKIT_START=portable."""
+
+import os
+import time
+
+import psutil
+import pytest
+
+import labkit
+from labkit.runtime import forkserver, platform
+
+pytestmark = pytest.mark.ranks
+
+
+def _has(rank, world_size, names):
+    import sys
+
+    return {n: n in sys.modules for n in names}
+
+
+def _fail(rank, world_size):
+    if rank == 1:
+        raise RuntimeError("injected fault")
+
+
+def test_start_is_chosen_by_platform_and_refuses_nonsense(monkeypatch):
+    monkeypatch.delenv("LABKIT_START", raising=False)
+    assert platform.start_method() == ("fork" if platform.LINUX else "portable")
+    monkeypatch.setenv("LABKIT_START", "portable")
+    assert platform.start_method() == "portable"
+    assert platform.start_method("fork") == "fork"  # an argument beats the setting
+    with pytest.raises(ValueError, match="'auto', 'fork' or 'portable', not 'spawn'"):
+        labkit.Cluster(2, start="spawn")
+
+
+def test_the_forkserver_imports_no_torch_and_ranks_come_from_its_spares():
+    with labkit.Cluster(2, start="portable") as c:
+        assert c.run(lambda rank, world_size: rank).values == [0, 1]
+        server = forkserver.shared("portable")
+        assert server.start == "portable"
+        # its own modules: no torch there, ever (fork after torch is what's unsafe)
+        maps = open(f"/proc/{server.pid}/maps").read() if platform.LINUX else ""
+        assert "libtorch" not in maps, "the portable forkserver loaded libtorch"
+        parents = {psutil.Process(p).ppid() for p in c.pids.values()}
+        assert parents == {server.pid}, (parents, server.pid)
+        assert c.run(_has, ["torch", "cloudpickle"]).values == [
+            {"torch": True, "cloudpickle": True}] * 2
+
+
+def test_a_fault_restarts_from_spares_with_the_cells_line_in_the_error():
+    with labkit.Cluster(2, start="portable", timeout=60) as c:
+        c.run(lambda rank, world_size: None)
+        old = set(c.pids.values())
+        with pytest.raises(labkit.RankError, match="rank 1 raised RuntimeError: "
+                                                   "injected fault"):
+            c.run(_fail)
+        assert c.run(lambda rank, world_size: os.getpid()).values != list(old)
+        assert not old & set(c.pids.values()), "the restart reused a rank"
+
+
+def test_a_restart_takes_the_spares_that_wait_with_torch_imported():
+    """Once the forkserver has been idle a second, spares fork and import torch;
+    a restart then takes them instead of forking ranks that import it (its time
+    is `bench cluster`'s, not asserted here)."""
+    with labkit.Cluster(2, start="portable") as c:
+        c.run(lambda rank, world_size: None)
+        with pytest.raises(labkit.RankError):
+            c.run(_fail)
+        server = psutil.Process(forkserver.shared("portable").pid)
+        end = time.monotonic() + 60
+        ready = []
+        while len(ready) < 2 and time.monotonic() < end:  # spares with torch
+            time.sleep(0.2)
+            ready = [p.pid for p in server.children()
+                     if p.pid not in c.pids.values()
+                     and any("libtorch" in m.path for m in p.memory_maps())]
+        assert len(ready) >= 2, f"spares with torch imported after 60 s: {ready}"
+        t = time.perf_counter()
+        c.run(lambda rank, world_size: None)  # restarts, then runs
+        print(f"restart from spares: {time.perf_counter() - t:.3f} s (a timing)")
+        assert set(c.pids.values()) <= set(ready), (
+            f"the restart forked new ranks {sorted(c.pids.values())} instead of "
+            f"taking the spares {ready}")
