@@ -30,7 +30,12 @@ from labkit.runtime.messages import (
 
 IDLE_BEFORE_PRELOAD = 1.0  # seconds idle after serving a cluster
 IDLE_UNSERVED = 3.0  # ... or after starting, when no cluster came (a student reads)
-IDLE_BEFORE_SPARES = 2.0  # portable start: idle seconds after a start, then spares
+# portable start: spares fork once the server has been idle this long, after its
+# own start (in a script the first start comes at once: its ranks are forked
+# then, none wasted) and after each start (not meanwhile: their imports would
+# slow the ranks'; and a short-lived process never makes them)
+IDLE_BEFORE_FIRST_SPARES = 0.2
+IDLE_BEFORE_SPARES = 3.0
 
 
 def serve(ctrl_fd: int, lifeline_fd: int, kernel_pid: int,
@@ -113,8 +118,6 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...],
     handed_over = spares is not None or not platform.CAN_HAND_OVER
     ranks: set[int] = set()  # forked here and not yet reaped
     keep = (ctrl.fileno(), wake_r, wake_w)
-    if spares is not None:
-        spares.fill(keep)
     while True:
         if retired and not ranks:
             return
@@ -124,7 +127,7 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...],
         if missing:
             idle = IDLE_BEFORE_PRELOAD if served else IDLE_UNSERVED
         elif spares is not None and spares.short():
-            idle = IDLE_BEFORE_SPARES
+            idle = IDLE_BEFORE_SPARES if served else IDLE_BEFORE_FIRST_SPARES
         ready, _, _ = select.select([ctrl, wake_r, *gone], [], [], idle)
         if not ready and spares is not None:  # idle: new spares import torch
             spares.fill(keep)
@@ -254,8 +257,7 @@ class Spares:
     instead of waiting for torch's import. What ranks import on first use
     (Preload: torch._dynamo...) they import then, each its own: nothing is shared
     after the fork anyway. As many are kept as the largest start asked for (at
-    least $LABKIT_SPARES), forked at the server's start and then once it has been
-    idle a while (not during a start: their imports would slow the ranks')."""
+    least $LABKIT_SPARES), forked once the server has idled (IDLE_BEFORE_*)."""
 
     def __init__(self, gone: tuple[int, ...]):
         self.gone = gone
