@@ -19,6 +19,23 @@ def test_doctor_reports_and_runs_a_smoke_test():
     assert "every rank holds 3.0" in out.stdout
 
 
+@pytest.mark.parametrize("where", ["win32", "no fork"])
+def test_doctor_on_a_platform_without_fork_says_to_use_wsl(where, monkeypatch,
+                                                            capsys):
+    from labkit.cli import doctor
+
+    if where == "win32":
+        monkeypatch.setattr(sys, "platform", "win32")
+    else:
+        monkeypatch.delattr("os.fork")
+    monkeypatch.setattr("labkit.Cluster", None)  # what a run there would reach
+    assert doctor.doctor() == 1
+    out = capsys.readouterr().out
+    assert "cannot run ranks here" in out and "has no fork" in out, out
+    assert "wsl --install" in out and "make lab" in out, out
+    assert "smoke test" not in out
+
+
 def test_clean_notebooks_command(tmp_path):
     p = tmp_path / "a.ipynb"
     cell = {"cell_type": "code", "source": "", "metadata": {}, "execution_count": 1,

@@ -19,16 +19,40 @@ def _smoke(rank, world_size):
     return x.item(), dist.get_backend()
 
 
+WSL = ("Run the course in WSL2 instead: in PowerShell `wsl --install -d Ubuntu`, "
+       "then, inside Ubuntu, `sudo apt install python3-venv make git`, clone the "
+       "course and run `make lab` (or `make test`) as the README says; open the "
+       "address it prints in the Windows browser.")
+
+
+def cannot_run_here() -> str | None:
+    """Why labkit's ranks cannot start on this platform (what to do instead), or
+    None. Asked before anything that would fail deep inside on such a platform."""
+    if sys.platform == "win32" or not hasattr(os, "fork") or not hasattr(
+            os, "setsid"):
+        return (f"labkit starts ranks by forking processes that talk over Unix "
+                f"sockets; {platform.system() or sys.platform} has no fork. " + WSL)
+    return None
+
+
 def doctor() -> int:
     """Print the machine's versions, cores, GPUs and class size, then run 2 ranks;
-    exit status 1 if they fail."""
+    exit status 1 if they fail, or if this platform cannot run them (said)."""
+    print(f"python      {sys.version.split()[0]} ({platform.platform()})")
+    why = cannot_run_here()
+    if why:
+        print(f"platform    cannot run ranks here\n{why}")
+        return 1
     import torch
 
     import labkit
-    from labkit.runtime import gpu_count, resolve_backend
+    from labkit.runtime import available_starts, gpu_count, resolve_backend
 
     gpus = gpu_count()
-    print(f"python      {sys.version.split()[0]} ({platform.platform()})")
+    start = available_starts()[0]
+    print(f"ranks start {start}" + (" (forked from a helper with torch imported)"
+                                    if start == "fork" else
+                                    " (spares that import torch after the fork)"))
     print(f"torch       {torch.__version__} (CUDA build: {torch.version.cuda or 'no'})")
     print(f"labkit      {labkit.__version__}")
     print(f"cpu cores   {os.cpu_count()}")
