@@ -14,7 +14,7 @@ CELL_TIMEOUT ?= 120
 # chromium fonts-wqy-microhei); never a browser downloaded by `playwright install`
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: FORCE executed install newest test-newest lock test-cpus check lab book slides student nbgrader test lint test-lib test-notebooks \
+.PHONY: FORCE executed install newest test-newest test-torch lock test-cpus check lab book slides student nbgrader test lint test-lib test-notebooks \
 	browser-test bench doctor images clean-notebooks clean vendor two-hosts
 
 install: $(STAMP)
@@ -61,6 +61,23 @@ test-newest: newest
 		-q -p no:cacheprovider --ignore=tests/browser -n $(TEST_JOBS) --dist loadfile \
 		--no-loadscope-reorder --nbval-lax --nbval-current-env \
 		--nbval-cell-timeout=$(CELL_TIMEOUT) \
+		-m "not slow and not numerics and (not ranks or runtime)"
+
+# The other end of the torch range pyproject allows (the lock keeps 2.13.0 for CI):
+# `make test-torch` makes an environment with TORCH_OTHER and the newest of the
+# rest (as `make newest`, kept outside the clone), then runs the fast tests and
+# chapters 00-05 there. Not part of CI: torch 2.14.1 is a CUDA build, with about
+# 3 GB of CUDA libraries to install once.
+TORCH_OTHER ?= torch==2.14.1
+TORCH_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/labkit/venv-torch
+TORCH_CHAPTERS ?= $(wildcard notebooks/0[0-5]_*.ipynb)
+test-torch:
+	$(PYTHON) -m labkit.cli.newest "$(TORCH_VENV)" --torch "$(TORCH_OTHER)" \
+		--refresh-hours $(NEWEST_HOURS)
+	LABKIT_ENV=torch PYTHONPATH="$(CURDIR)" "$(TORCH_VENV)/bin/python" -m pytest \
+		tests $(TORCH_CHAPTERS) -q -p no:cacheprovider --ignore=tests/browser \
+		-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder --nbval-lax \
+		--nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) \
 		-m "not slow and not numerics and (not ranks or runtime)"
 
 # Refresh the lock from the newest releases; then run `make test` (it reinstalls

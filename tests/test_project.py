@@ -157,7 +157,7 @@ def test_the_lock_pins_every_dependency_within_its_range():
             f"requirements.lock pins {name}=={pins[name]}, outside pyproject's {spec}")
 
 
-@pytest.mark.skipif(os.environ.get("LABKIT_ENV") == "newest",
+@pytest.mark.skipif(os.environ.get("LABKIT_ENV") in ("newest", "torch"),
                     reason="the newest-releases environment is not the locked one")
 def test_the_installed_versions_are_the_locks():
     # `make install` installed every package the lock names at its pin; a
@@ -171,9 +171,22 @@ def test_the_installed_versions_are_the_locks():
                     f"{off}; run `make install`"
 
 
-def test_torch_is_pinned_where_it_is_installed():
-    assert "torch==2.13.0" in (ROOT / "Makefile").read_text()
-    assert "torch==2.13.0" in (ROOT / "pyproject.toml").read_text()
+def test_torch_is_pinned_where_it_is_installed_and_a_tested_range_elsewhere():
+    # make install takes the lock's torch first (a plain `pip install torch` can
+    # pull a CUDA build of several GB); pyproject allows what make test-torch tests
+    from packaging.requirements import Requirement
+
+    from labkit.ledger._torch_memtracker import TESTED_TORCH
+
+    assert "TORCH  := torch==2.13.0" in (ROOT / "Makefile").read_text()
+    assert "TORCH_OTHER ?= torch==2.14.1" in (ROOT / "Makefile").read_text()
+    (torch,) = [Requirement(s) for s in _pyproject_requirements()
+                if Requirement(s).name == "torch"]
+    for version in ("2.13.0", "2.14.1"):
+        assert torch.specifier.contains(version), f"pyproject's {torch} leaves out " \
+                                                  f"{version}, a tested release"
+        assert version.rsplit(".", 1)[0] in TESTED_TORCH, (version, TESTED_TORCH)
+    assert not torch.specifier.contains("2.15.0"), f"{torch}: 2.15 is untested"
 
 
 def test_readme_starts_with_the_two_commands():

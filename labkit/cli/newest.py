@@ -44,8 +44,18 @@ def _pip(venv: Path, *args: str) -> None:
                     "--quiet", "--disable-pip-version-check", *args], check=True)
 
 
-def _upgrade(venv: Path) -> None:
-    _pip(venv, "--upgrade", "--upgrade-strategy", "eager", *requirements())
+def _upgrade(venv: Path, torch: str) -> None:
+    """Everything to its newest allowed release, torch kept at `torch` (pyproject
+    allows a range; the newest torch on PyPI is a CUDA build of several GB)."""
+    reqs = [r for r in requirements() if _name(r) != "torch"]
+    _pip(venv, "--upgrade", "--upgrade-strategy", "eager", torch, *reqs)
+
+
+def _name(requirement: str) -> str:
+    for i, ch in enumerate(requirement):
+        if not (ch.isalnum() or ch in "-_."):
+            return requirement[:i].lower()
+    return requirement.lower()
 
 
 def _build(venv: Path, torch: str, stamp: str) -> None:
@@ -64,7 +74,7 @@ def _build(venv: Path, torch: str, stamp: str) -> None:
         (venv / MARK).write_text("building")
         _pip(venv, "--upgrade", "pip")
         _pip(venv, torch)  # first and pinned: a plain `torch` can pull a CUDA build
-        _upgrade(venv)
+        _upgrade(venv, torch)
         (venv / MARK).write_text(stamp)
     except BaseException:
         shutil.rmtree(venv, ignore_errors=True)
@@ -94,7 +104,7 @@ def ensure(venv: Path, torch: str, refresh_hours: float) -> str:
         return "cached"
     print(f"newest: upgrading {venv} in place (last refreshed {age:.1f} h ago)",
           flush=True)
-    _upgrade(venv)
+    _upgrade(venv, torch)
     mark.touch()
     return "upgraded"
 
