@@ -28,6 +28,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.ranks]
 SECONDS = 240  # a run of both chapters takes about 40 s on 2 loaded cores
 
 
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Chapters 05 and 07 exported once, for both tests (two processes each)."""
+    if two_hosts.cannot_make_namespaces():
+        pytest.skip("no network namespaces here")  # the hosts fixture says why
+    return two_hosts.export_chapters(tmp_path_factory.mktemp("workers"))
+
+
 @pytest.fixture
 def hosts(request):
     why = two_hosts.cannot_make_namespaces()
@@ -100,9 +108,8 @@ def _same(got, want, what):
         assert got == want, f"{what}: {got!r}, one host {want!r}"
 
 
-def test_two_hosts_over_a_veth_equal_one_host(hosts, tmp_path):
+def test_two_hosts_over_a_veth_equal_one_host(hosts, jobs, tmp_path):
     t0 = time.monotonic()
-    jobs = two_hosts.export_chapters(tmp_path / "workers")
     runs, results, _ = _run(hosts, tmp_path, "two", jobs)
     assert [rc for rc, _, _ in runs] == [0, 0], "\n---\n".join(o for _, o, _ in runs)
     two = load_results(*results)
@@ -131,8 +138,7 @@ def test_two_hosts_over_a_veth_equal_one_host(hosts, tmp_path):
           "(a timing)")
 
 
-def test_a_rank_lost_on_one_host_stops_both(hosts, tmp_path):
-    jobs = two_hosts.export_chapters(tmp_path / "workers")
+def test_a_rank_lost_on_one_host_stops_both(hosts, jobs, tmp_path):
     start = time.time()
     runs, results, probes = _run(hosts, tmp_path, "fault", jobs, kill_rank=3)
     text = "\n---\n".join(o for _, o, _ in runs)

@@ -202,6 +202,9 @@ def test_every_slide_fits_or_scrolls_on_a_projector(deck, browser, shots):
         page.wait_for_selector(".reveal.ready", timeout=SECONDS * 1000)
         page.wait_for_function(MATH_DONE, timeout=SECONDS * 1000)
         page.wait_for_timeout(2000)  # the deck's fit runs again after typesetting
+        # no slide transition: each slide is laid out where it stops at once
+        page.evaluate("Reveal.configure({transition: 'none', "
+                      "backgroundTransition: 'none'})")
         page.screenshot(path=str(shots / "slides_first.png"))
         seen, bad = [], []
         while True:
@@ -212,7 +215,7 @@ def test_every_slide_fits_or_scrolls_on_a_projector(deck, browser, shots):
             if state["cut"] or state["clipped"]:
                 bad.append(state)
             page.keyboard.press("Space")  # next (sub)slide; the last stays put
-            page.wait_for_timeout(400)
+            page.wait_for_timeout(120)  # two frames and more, without a transition
         assert len(seen) > 5, f"walked only {seen}"
         assert not bad, (f"slides cut off below the screen without a scrollbar, or "
                          f"with code running off the side: {bad}")

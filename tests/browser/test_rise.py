@@ -190,6 +190,21 @@ WIDGET_NB = {
 }
 
 
+def _installed(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+# what the caveat below was seen with: a fix can come only with another release of
+# either, so with these the test would only fail again as it failed (13 s of CI)
+BROKEN_WITH = {"jupyterlab-rise": "0.43.1", "jupyterlab_widgets": "3.0.17"}
+
+
+@pytest.mark.skipif(
+    all(_installed(n) == v for n, v in BROKEN_WITH.items()),
+    reason=f"known to fail with {BROKEN_WITH} (docs/teaching.md's caveat); it runs "
+           "again, strict, once either package is another release (make lock)")
 @pytest.mark.xfail(strict=True, reason="jupyterlab-rise 0.43.1's page is built on "
                    "JupyterLab 4.3 and cannot load jupyterlab_widgets 3.0.17's "
                    "manager (it needs @jupyterlab/console): a widget shows as its "
