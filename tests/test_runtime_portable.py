@@ -71,12 +71,14 @@ def test_a_restart_takes_the_spares_that_wait_with_torch_imported():
             c.run(_fail)
         server = psutil.Process(forkserver.shared("portable").pid)
         end = time.monotonic() + 60
-        ready = []
-        while len(ready) < 2 and time.monotonic() < end:  # spares with torch
+        ready, spares = [], []
+        while time.monotonic() < end:  # until every spare has torch loaded
             time.sleep(0.2)
-            ready = [p.pid for p in server.children()
-                     if p.pid not in c.pids.values()
-                     and any("libtorch" in m.path for m in p.memory_maps())]
+            spares = [p for p in server.children() if p.pid not in c.pids.values()]
+            ready = [p.pid for p in spares
+                     if any("libtorch" in m.path for m in p.memory_maps())]
+            if len(ready) >= 2 and len(ready) == len(spares):
+                break
         assert len(ready) >= 2, f"spares with torch imported after 60 s: {ready}"
         t = time.perf_counter()
         c.run(lambda rank, world_size: None)  # restarts, then runs
