@@ -30,26 +30,52 @@ def __getattr__(name: str):
 PROCESS_FREE = frozenset({"arguments", "conventions", "theory", "units"})
 
 
-def _prewarm_after_the_importing_cell() -> None:
-    """In a notebook, start the rank forkserver (its torch import) as soon as the
-    cell that imported labkit ends, so that it is ready by the first cluster cell,
-    while the student reads. Not when that cell loaded only the process-free
-    layers (`import labkit.theory`), nor with LABKIT_PREWARM=0."""
+def _prewarm_in_a_notebook() -> None:
+    """In a notebook, start the rank forkserver (its torch import) now, so that it
+    imports torch beside the kernel and is ready by the first cluster cell. Not
+    when the importing cell loads only the process-free layers (`import
+    labkit.theory`), nor with LABKIT_PREWARM=0. Where the cell's text cannot be
+    read, once that cell ends, if it loaded more than those layers."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
     if shell is None or os.environ.get("LABKIT_PREWARM") == "0":
+        return
+    cell = (shell.user_ns.get("_ih") or [None])[-1]  # stored before it runs
+    if isinstance(cell, str) and "labkit" in cell:
+        if not _only_process_free(cell):
+            importlib.import_module("labkit.runtime")  # it prewarms in IPython
         return
 
     def after_cell(*_):
         shell.events.unregister("post_run_cell", after_cell)
         loaded = {m.split(".")[1] for m in sys.modules if m.startswith("labkit.")}
         if not loaded or not loaded <= PROCESS_FREE:
-            importlib.import_module("labkit.runtime")  # it prewarms in IPython
+            importlib.import_module("labkit.runtime")
 
     shell.events.register("post_run_cell", after_cell)
 
 
-_prewarm_after_the_importing_cell()
+def _only_process_free(cell: str) -> bool:
+    """Whether every labkit import in `cell` names a process-free layer."""
+    import ast
+
+    try:
+        tree = ast.parse(cell)
+    except SyntaxError:  # IPython syntax (magics): ranks may follow
+        return False
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names if a.name.split(".")[0] == "labkit"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (
+                node.module or "").split(".")[0] == "labkit":
+            names += ([f"labkit.{a.name}" for a in node.names]
+                      if node.module == "labkit" else [node.module])
+    return bool(names) and all(
+        n.count(".") >= 1 and n.split(".")[1] in PROCESS_FREE for n in names)
+
+
+_prewarm_in_a_notebook()
 
 __version__ = "0.1.0"
 __all__ = [

@@ -37,27 +37,47 @@ def test_runtime_names_load_on_first_use():
         labkit.Clustr  # noqa: B018
 
 
+# a cell run as a kernel runs it (store_history: its text is kept before it runs;
+# without it, labkit looks once the cell has ended)
 _CELLS = """
 from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance()
-shell.run_cell({cell!r}).raise_error()
+shell.run_cell({cell!r}, store_history={history}).raise_error()
 import sys
 fs = sys.modules.get("labkit.runtime.forkserver")
 print(bool(fs and fs.started()))
 """
 
 
+@pytest.mark.parametrize("history", [True, False])
 @pytest.mark.parametrize("cell, starts", [
     ("import labkit", True),  # a chapter's first cell: ranks will follow
     ("import labkit, torch\nfrom labkit import viz", True),
+    ("from labkit import theory, Cluster", True),
     ("import labkit.theory", False),  # the calculator alone: no process
+    ("from labkit.theory import zero_memory", False),
 ])
-def test_in_a_notebook_the_forkserver_starts_once_the_importing_cell_ends(
-        cell, starts):
+def test_in_a_notebook_the_forkserver_starts_with_the_importing_cell(
+        cell, starts, history):
     env = {k: v for k, v in os.environ.items() if k != "LABKIT_PREWARM"}
-    out = subprocess.run([sys.executable, "-c", _CELLS.format(cell=cell)],
+    code = _CELLS.format(cell=cell, history=history)
+    out = subprocess.run([sys.executable, "-c", code],
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == str(starts), (
         f"after a cell {cell!r}: forkserver started {out.stdout!r}, "
         f"expected {starts}")
+
+
+def test_in_a_kernel_the_forkserver_starts_during_the_importing_cell():
+    """So its torch import overlaps the kernel's own (`import labkit, torch`)."""
+    code = ("from IPython.core.interactiveshell import InteractiveShell\n"
+            "shell = InteractiveShell.instance()\n"
+            "shell.run_cell('import labkit, sys\\n"
+            "during = \"labkit.runtime\" in sys.modules', store_history=True)\n"
+            "print(shell.user_ns['during'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "LABKIT_PREWARM"}
+    out = subprocess.run([sys.executable, "-c", code], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stdout

@@ -145,10 +145,11 @@ import json, time
 from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance()
 t0 = time.perf_counter()
-shell.run_cell("import labkit, torch").raise_error()  # a chapter's first cell
+# a chapter's first cell, its text kept before it runs as a kernel keeps it
+shell.run_cell("import labkit, torch", store_history=True).raise_error()
 time.sleep({gap})  # the student reads
 t1 = time.perf_counter()
-shell.run_cell("c = labkit.Cluster({n})").raise_error()
+shell.run_cell("c = labkit.Cluster({n})", store_history=True).raise_error()
 t2 = time.perf_counter()
 shell.user_ns["c"].close()
 print(json.dumps([t2 - t1, t2 - t0]))
@@ -195,10 +196,11 @@ def _fresh(script: str, prewarm: bool, start: str):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _first_start(n: int, gap: float, start: str) -> tuple[float, float]:
+def _first_start(n: int, gap: float, start: str, prewarm: bool = True
+                 ) -> tuple[float, float]:
     """(Cluster(n) seconds, interpreter-to-ready seconds) in a fresh IPython,
-    the cluster cell `gap` s after `import labkit` (0: not prewarmed, cold)."""
-    return tuple(_fresh(_FIRST_START.format(n=n, gap=gap), gap > 0, start))
+    the cluster cell `gap` s after the cell `import labkit, torch`."""
+    return tuple(_fresh(_FIRST_START.format(n=n, gap=gap), prewarm, start))
 
 
 def _first_restart(n: int, idle: float, start: str) -> float:
@@ -284,7 +286,8 @@ def _cluster_figures(n: int, calls: int, start: str) -> dict:
 
     progress(f"start={start}: first start, in fresh IPython shells")
     warm = sorted(_first_start(n, NOTEBOOK_GAP, start) for _ in range(3))[1]
-    cold = _first_start(n, 0, start)
+    cold = sorted(_first_start(n, 0, start) for _ in range(3))[1]
+    unwarmed = _first_start(n, 0, start, prewarm=False)
     progress(f"start={start}: first restart after a fault, in fresh interpreters "
              "(idle 1.5-2.5 s)")
     # the worst of three idle times: the forkserver's idle-time work (imports,
@@ -333,7 +336,8 @@ def _cluster_figures(n: int, calls: int, start: str) -> dict:
         for _ in range(5):  # alternating, so machine noise hits both alike
             for how in ("file", "live"):
                 printing[how].append(_print_lines(c, live=how == "live"))
-    return dict(warm=warm, cold=cold, first_restart=first_restart, restart=restart,
+    return dict(warm=warm, cold=cold, unwarmed=unwarmed[0],
+                first_restart=first_restart, restart=restart,
                 p50=p50, p99=p99, ar50=ar50,
                 file_s=statistics.median(printing["file"]),
                 live_s=statistics.median(printing["live"]))
@@ -342,7 +346,7 @@ def _cluster_figures(n: int, calls: int, start: str) -> dict:
 def cluster_rows(*, warm: tuple[float, float], cold: tuple[float, float],
                  first_restart: float, restart: float, p50: float, p99: float,
                  ar50: float, spawn: float, file_s: float, live_s: float,
-                 start: str = "fork") -> list[Row]:
+                 start: str = "fork", unwarmed: float | None = None) -> list[Row]:
     """bench cluster's figures (seconds) as rows, with their targets. The start
     and restart targets are the fork start's; the portable start's are printed
     (its ranks import torch themselves: what holds is said in the README)."""
@@ -352,8 +356,10 @@ def cluster_rows(*, warm: tuple[float, float], cold: tuple[float, float],
         Row(f"first start: cluster cell {NOTEBOOK_GAP:g} s after `import labkit, "
             "torch` (IPython)", warm[0], t["first start, prewarmed"] if fast else None),
         Row("  same, interpreter start to ranks ready", warm[1]),
-        Row("first start, cold: forkserver not prewarmed", cold[0],
-            t["first start"] if fast else None),
+        Row("first start: cluster cell right after `import labkit, torch`",
+            cold[0], t["first start"] if fast else None),
+        *([Row("  same, forkserver not prewarmed (LABKIT_PREWARM=0)", unwarmed)]
+          if unwarmed is not None else []),
         Row("first restart after a fault in a fresh process (+ no-op), worst",
             first_restart, t["restart after a fault"] if fast else None),
         Row(f"restart after a fault (+ one no-op call) {RESTART_GAP:g} s after "

@@ -167,8 +167,8 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...],
                 ranks.update(pids)
                 wire.send(ctrl, Spawned(pids))
                 served = True
-                if spares is not None:  # once idle, ready for the next (re)start
-                    spares.target = max(spares.target, len(msg.specs))
+                if spares is not None:  # once idle, ready to start these again
+                    spares.target = len(msg.specs)
 
 
 def _start_successor(ctrl, gone, wanted, close) -> None:
@@ -256,8 +256,9 @@ class Spares:
     import torch and wait for a rank's spec: a start or a restart takes them
     instead of waiting for torch's import. What ranks import on first use
     (Preload: torch._dynamo...) they import then, each its own: nothing is shared
-    after the fork anyway. As many are kept as the largest start asked for (at
-    least $LABKIT_SPARES), forked once the server has idled (IDLE_BEFORE_*)."""
+    after the fork anyway. As many are kept as the last start asked for
+    ($LABKIT_SPARES before the first), forked once the server has idled
+    (IDLE_BEFORE_*): each costs a torch import, so none is made ahead for more."""
 
     def __init__(self, gone: tuple[int, ...]):
         self.gone = gone
