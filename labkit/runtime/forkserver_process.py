@@ -224,16 +224,26 @@ def _fork_rank(spec, close_fds: tuple[int, ...], gone: tuple[int, ...]) -> int:
     pid = os.fork()
     if pid:
         return pid
+
+    def rank() -> int:
+        from labkit.runtime.rank import rank_main
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        return rank_main(spec, gone)
+
+    _child(close_fds, rank)
+
+
+def _child(close_fds, main) -> None:
+    """In a process just forked here: drop the server's descriptors and signal
+    handlers, run main(), report whatever it raised, exit with its code."""
     code = 1
     try:
         for fd in close_fds:
             os.close(fd)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        from labkit.runtime.rank import rank_main
-
-        code = rank_main(spec, gone)
+        code = main()
     except BaseException:  # noqa: BLE001  (whatever happens, report it and leave)
         import traceback
 
@@ -300,23 +310,8 @@ class Spares:
         if pid:
             theirs.close()
             return pid, ours
-        code = 1
-        try:
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            for fd in (*keep, ours.fileno(), *(s.fileno() for _, s in self.waiting)):
-                os.close(fd)
-            code = _spare(theirs, self.gone)
-        except BaseException:  # noqa: BLE001  (whatever happens, report it and leave)
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            finally:
-                os._exit(code)
+        close = (*keep, ours.fileno(), *(s.fileno() for _, s in self.waiting))
+        _child(close, lambda: _spare(theirs, self.gone))
 
 
 def _spare(sock: socket.socket, gone: tuple[int, ...]) -> int:
