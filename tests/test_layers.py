@@ -40,44 +40,46 @@ def test_runtime_names_load_on_first_use():
 # a cell run as a kernel runs it (store_history: its text is kept before it runs;
 # without it, labkit looks once the cell has ended)
 _CELLS = """
+import sys
 from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance()
-shell.run_cell({cell!r}, store_history={history}).raise_error()
-import sys
+shell.run_cell({cell!r} + "\\nimport sys\\nduring = 'labkit.runtime' in sys.modules",
+               store_history={history}).raise_error()
 fs = sys.modules.get("labkit.runtime.forkserver")
-print(bool(fs and fs.started()))
+print(shell.user_ns["during"], bool(fs and fs.started()))
 """
 
 
 @pytest.mark.parametrize("history", [True, False])
 @pytest.mark.parametrize("cell, starts", [
-    ("import labkit", True),  # a chapter's first cell: ranks will follow
-    ("import labkit, torch\nfrom labkit import viz", True),
-    ("from labkit import theory, Cluster", True),
+    ("import labkit, torch", True),  # a chapter's first cell: ranks will follow
     ("import labkit.theory", False),  # the calculator alone: no process
-    ("from labkit.theory import zero_memory", False),
 ])
 def test_in_a_notebook_the_forkserver_starts_with_the_importing_cell(
         cell, starts, history):
+    """Started during the cell when its text can be read (so its torch import
+    overlaps the kernel's own), else once the cell has ended; never for the
+    process-free layers alone."""
     env = {k: v for k, v in os.environ.items() if k != "LABKIT_PREWARM"}
     code = _CELLS.format(cell=cell, history=history)
     out = subprocess.run([sys.executable, "-c", code],
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == str(starts), (
-        f"after a cell {cell!r}: forkserver started {out.stdout!r}, "
-        f"expected {starts}")
+    during, after = out.stdout.strip().splitlines()[-1].split()
+    assert (during, after) == (str(starts and history), str(starts)), (
+        f"after a cell {cell!r} (its text kept: {history}): forkserver started "
+        f"during the cell {during}, by its end {after}; expected "
+        f"{starts and history}, {starts}")
 
 
-def test_in_a_kernel_the_forkserver_starts_during_the_importing_cell():
-    """So its torch import overlaps the kernel's own (`import labkit, torch`)."""
-    code = ("from IPython.core.interactiveshell import InteractiveShell\n"
-            "shell = InteractiveShell.instance()\n"
-            "shell.run_cell('import labkit, sys\\n"
-            "during = \"labkit.runtime\" in sys.modules', store_history=True)\n"
-            "print(shell.user_ns['during'])\n")
-    env = {k: v for k, v in os.environ.items() if k != "LABKIT_PREWARM"}
-    out = subprocess.run([sys.executable, "-c", code], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "True", out.stdout
+@pytest.mark.parametrize("cell, free", [
+    ("import labkit", False), ("import labkit, torch\nfrom labkit import viz", False),
+    ("from labkit import theory, Cluster", False), ("%load_ext labkit", False),
+    ("get_ipython().run_line_magic('load_ext', 'labkit')", False),
+    ("import labkit.theory", True), ("from labkit import theory", True),
+    ("from labkit.theory import zero_memory", True),
+    ("import labkit.theory as t, labkit.units", True)])
+def test_which_cells_import_only_the_process_free_layers(cell, free):
+    import labkit
+
+    assert labkit._only_process_free(cell) is free, cell
