@@ -52,14 +52,12 @@ def serve(ctrl_fd: int, lifeline_fd: int, kernel_pid: int,
     if os.getppid() != kernel_pid:  # the kernel died while we imported torch
         return
     ctrl = socket.socket(fileno=ctrl_fd)
-    if start == "portable":
-        wanted = _asked_at_start(ctrl)
-        if wanted is not None:
-            _loop(ctrl, gone, wanted=wanted, spares=Spares(gone))
+    if start == "portable":  # ranks import what is wanted, on first use
+        wanted, spares = _asked_at_start(ctrl), Spares(gone)
     else:
-        wanted = _import_asked_at_start(ctrl)
-        if wanted is not None:  # None: the kernel is gone
-            _loop(ctrl, gone, wanted=wanted)
+        wanted, spares = _import_asked_at_start(ctrl), None
+    if wanted is not None:  # None: the kernel is gone
+        _loop(ctrl, gone, wanted=wanted, spares=spares)
     # gone or retired: exit now, without tearing torch down (seconds of a process
     # that holds nothing anyone needs), as a successor does
     sys.stdout.flush()
@@ -91,14 +89,10 @@ def _import_asked_at_start(ctrl: socket.socket) -> tuple[str, ...] | None:
     CPU per rank, and memory not shared). Names asked for later go to a successor."""
     if not select.select([ctrl], [], [], 0)[0]:
         return ()
-    msg = wire.recv(ctrl)
-    if msg is None:
-        return None
-    if not isinstance(msg, Preload):  # the handle sends a Preload first
-        raise RuntimeError(f"the forkserver's first message: {msg!r}, not Preload")
-    for name in msg.names:
+    wanted = _asked_at_start(ctrl)
+    for name in wanted or ():
         _try_import(name)  # never forked with it: ranks import it on first use
-    return tuple(dict.fromkeys(msg.names))
+    return wanted
 
 
 def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...],
@@ -152,10 +146,9 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...],
                 retired = True
             elif isinstance(msg, Preload):
                 wanted = tuple(dict.fromkeys((*wanted, *msg.names)))
-                if spares is not None:  # ranks import it on first use
-                    pass
-                elif not handed_over and set(wanted) <= sys.modules.keys():
+                if not handed_over and set(wanted) <= sys.modules.keys():
                     # imported already (by torch, say): no successor; say so
+                    # (with spares, handed_over: ranks import it on first use)
                     wire.send(ctrl, ForkserverReady(os.getpid(), wanted))
             elif isinstance(msg, Spawn):
                 sys.stdout.flush()
