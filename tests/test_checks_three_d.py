@@ -257,6 +257,20 @@ def test_dp_bytes_slips_and_written_down_answers_are_named(cluster, answer, hint
     assert hint in str(e.value)
 
 
+def test_two_slips_that_give_the_same_number_are_both_named():
+    # CI drew this model once: V = s*h - 2h, so the head given a bias and the
+    # pipeline flipped both send the same bytes on the last of two stages
+    cfg = {"vocab": 44, "seq": 13, "hidden": 4, "heads": 1, "layers": 4}
+    want = three_d._dp_bytes(three_d._stage_params(1, 1, 2, cfg), 2)
+    for answer in (_head_bias, _flipped):
+        got = answer(1, 1, 2, 2, cfg)
+        with pytest.raises(ExerciseError) as e:
+            three_d._compare_dp("my_dp_bytes(1, ...)", got, want, 1, (1, 2, 2),
+                                cfg, f"expected {float(want):,.0f} B")
+        assert "the head's Linear(h, V) has no bias" in str(e.value), str(e.value)
+        assert "stage 0 is the first" in str(e.value), str(e.value)
+
+
 def test_dp_bytes_a_wrong_answer_is_held_to_the_ledger(cluster):
     # the first measured grid fails first: its message names the measurement
     with pytest.raises(ExerciseError, match=r"but rank \d+ sent [\d,]+ B in its "

@@ -52,6 +52,16 @@ def _close(got: float, want: Fraction | float, rel: float = 1e-9) -> bool:
     return abs(got - want) <= rel * abs(want) if want else abs(got) <= 1e-300
 
 
+def _slip_named(got: float, want, slips, otherwise: str | None) -> str | None:
+    """The hint of every slip (value, why) that `got` equals and the right
+    answer does not; two slips can give the same number on a drawn model (the
+    head's bias and a flipped pipeline, when V = s*h - 2h), and then both are
+    named. `otherwise` when none is."""
+    named = list(dict.fromkeys(why for v, why in slips
+                               if not _close(float(v), want) and _close(got, v)))
+    return "; or: ".join(named) if named else otherwise
+
+
 def _number(what: str, got):
     """The student's number as a float; ExerciseError for a non-number, NaN or
     inf."""
@@ -397,8 +407,7 @@ def _compare_dp(call: str, got: float, want, stage: int, grid, cfg: dict,
     if _close(got, want):
         return
     tp, pp, dp = grid
-    hint = next((why for v, why in _dp_slips(stage, tp, pp, dp, cfg)
-                 if not _close(float(v), want) and _close(got, v)), None)
+    hint = _slip_named(got, want, _dp_slips(stage, tp, pp, dp, cfg), None)
     if hint is None:
         params = _stage_params(stage, tp, pp, cfg)
         implied = (f"; at 4 B x 2(dp-1)/dp that is {got / (8 * (dp - 1) / dp):,.1f} "
@@ -520,11 +529,11 @@ def check_ring_seconds(fn) -> bool:
         want = _ring_exact(op, size, n, nodes, spec)
         if _close(got, want):
             continue
-        hint = next((why for v, why in _ring_slips(op, size, n, nodes, spec)
-                     if not _close(float(v), want) and _close(got, v)),
-                    "steps from theory.latency_steps(op, n), those between nodes "
-                    "from theory.latency_steps(op, nodes), bytes each rank sends "
-                    "from theory.ring_bytes_per_rank(op, size, n)")
+        hint = _slip_named(
+            got, want, _ring_slips(op, size, n, nodes, spec),
+            "steps from theory.latency_steps(op, n), those between nodes "
+            "from theory.latency_steps(op, nodes), bytes each rank sends "
+            "from theory.ring_bytes_per_rank(op, size, n)")
         raise ExerciseError(
             f"{call} = {got:.6g} s, expected {float(want):.6g} s (alpha_intra "
             f"{spec.alpha_intra * 1e6:.3g} µs, alpha_inter "
@@ -678,9 +687,7 @@ def check_traffic_ratios(fn) -> bool:
                       "this layout")] if d in ("tp", "pp") else []
             slips += [(_ratios(layout, **kw)[d], why)
                       for kw, why in _RATIO_SLIPS.get(d, ())]
-            hint = next((why for s, why in slips
-                         if not _close(float(s), want[d]) and _close(v, s)),
-                        _RATIO_HINTS[d])
+            hint = _slip_named(v, want[d], slips, _RATIO_HINTS[d])
             raise ExerciseError(
                 f"{call}: {d} is {v:.6g} x the published layout's bytes per GPU "
                 f"per step, but section 7's pricing gives {float(want[d]):.6g} x. "
