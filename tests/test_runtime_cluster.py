@@ -387,8 +387,7 @@ def test_many_runs_leak_no_processes_threads_or_files():
         # steady state: a hand-over to a successor that imports what the layers
         # asked for (a process more) is not a leak
         assert forkserver().wait_preloaded(timeout=90)
-        if c.start == "portable":  # its spares fork once the server has idled
-            time.sleep(IDLE_BEFORE_SPARES + 0.5)
+        time.sleep(IDLE_BEFORE_SPARES[c.start] + 0.5)  # spares, once idle
 
         def counts():
             return (

@@ -63,13 +63,13 @@ def fail(rank, world_size):
     if rank == 1:
         raise RuntimeError("injected fault")
 
-with labkit.Cluster(2, start="portable") as c:
+with labkit.Cluster(2, start="START") as c:
     c.run(lambda rank, world_size: None)
     try:
         c.run(fail)
     except labkit.RankError:
         pass
-    server = psutil.Process(forkserver.shared("portable").pid)
+    server = psutil.Process(forkserver.shared("START").pid)
     end = time.monotonic() + 60
     ready, spares = [], []
     while time.monotonic() < end:  # until every spare has torch loaded
@@ -86,12 +86,16 @@ with labkit.Cluster(2, start="portable") as c:
 """
 
 
-def test_a_restart_takes_the_spares_that_wait_with_torch_imported():
-    """Once the forkserver has idled, spares fork and import torch; a restart
-    then takes them instead of forking ranks that import it (its time is
-    `bench cluster`'s, not asserted here). In a fresh interpreter, whose
-    forkserver serves this cluster alone."""
-    out = subprocess.run([sys.executable, "-c", _RESTART_FROM_SPARES],
+@pytest.mark.parametrize("start", ["portable", "fork"])
+def test_a_restart_takes_the_spares_that_wait_with_torch_imported(start):
+    """Once the forkserver has idled, spares fork (and, portable, import torch);
+    a restart then takes them instead of forking ranks (its time is `bench
+    cluster`'s, not asserted here). In a fresh interpreter, whose forkserver
+    serves this cluster alone."""
+    if start == "fork" and not platform.LINUX:
+        pytest.skip("the fork start is Linux's")
+    code = _RESTART_FROM_SPARES.replace("START", start)
+    out = subprocess.run([sys.executable, "-c", code],
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     ready, ranks, took = eval(out.stdout.split("RESULT", 1)[1])

@@ -1,11 +1,13 @@
 """The forkserver process (forkserver.py is the kernel's handle on it).
 
+Both starts keep spares: processes forked from here when idle that wait for a
+rank's spec, so that a start or a restart does not wait for the forks.
 Fork start: import torch and what the kernel asked for at its start (Preload), say
-ready, fork a rank per request and report how each ended; hand over to a successor
-that has imported what was asked for later once idle, and exit once the kernel
-says the successor forks (Retire) and the ranks it forked have exited.
-Portable start (platform.py): import no torch; ranks come from spares, processes
-forked from here that import torch themselves and wait for their rank's spec."""
+ready, start a rank per request (a spare, or a fresh fork) and report how each
+ended; hand over to a successor that has imported what was asked for later once
+idle, and exit once the kernel says the successor forks (Retire) and the ranks it
+forked have exited.
+Portable start (platform.py): import no torch; the spares import it themselves."""
 
 from __future__ import annotations
 
@@ -30,12 +32,14 @@ from labkit.runtime.messages import (
 
 IDLE_BEFORE_PRELOAD = 1.0  # seconds idle after serving a cluster
 IDLE_UNSERVED = 3.0  # ... or after starting, when no cluster came (a student reads)
-# portable start: spares fork once the server has been idle this long, after its
-# own start (in a script the first start comes at once: its ranks are forked
-# then, none wasted) and after each start (not meanwhile: their imports would
-# slow the ranks'; and a short-lived process never makes them)
+# spares fork once the server has been idle this long, after its own start (in a
+# script the first start comes at once: its ranks are forked then, none wasted)
+# and after each start (not meanwhile: the forks, and the portable spares' torch
+# imports, would slow the ranks'; and a short-lived process never makes them).
+# A fork-start spare costs a fork (~10 ms here, its page tables), a portable one
+# a torch import (~1 s of CPU), so the fork start makes them sooner.
 IDLE_BEFORE_FIRST_SPARES = 0.2
-IDLE_BEFORE_SPARES = 3.0
+IDLE_BEFORE_SPARES = {"fork": 1.0, "portable": 3.0}
 
 
 def serve(ctrl_fd: int, lifeline_fd: int, kernel_pid: int,
@@ -53,11 +57,11 @@ def serve(ctrl_fd: int, lifeline_fd: int, kernel_pid: int,
         return
     ctrl = socket.socket(fileno=ctrl_fd)
     if start == "portable":  # ranks import what is wanted, on first use
-        wanted, spares = _asked_at_start(ctrl), Spares(gone)
+        wanted = _asked_at_start(ctrl)
     else:
-        wanted, spares = _import_asked_at_start(ctrl), None
+        wanted = _import_asked_at_start(ctrl)
     if wanted is not None:  # None: the kernel is gone
-        _loop(ctrl, gone, wanted=wanted, spares=spares)
+        _loop(ctrl, gone, wanted, Spares(gone, start))
     # gone or retired: exit now, without tearing torch down (seconds of a process
     # that holds nothing anyone needs), as a successor does
     sys.stdout.flush()
@@ -96,20 +100,21 @@ def _import_asked_at_start(ctrl: socket.socket) -> tuple[str, ...] | None:
 
 
 def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...],
-          spares: Spares | None = None):
-    """Serve `ctrl` until the kernel is gone. `wanted`: modules asked for so far
-    (Preload); once idle with some not imported, hand over to a successor that
-    imports them (once: a forkserver that handed over only serves until its
-    successor is ready). With `spares` (the portable start) ranks come from them,
-    which import what is wanted themselves: no successor. Returns, to exit, when
-    the kernel is gone, or once retired (Retire) with no rank of its own left."""
+          spares: Spares):
+    """Serve `ctrl` until the kernel is gone; ranks come from `spares`, kept
+    filled when idle. `wanted`: modules asked for so far (Preload); once idle with
+    some not imported, hand over to a successor that imports them and makes its
+    own spares (once: a forkserver that handed over lets its spares go and only
+    serves until its successor is ready). The portable start's spares import
+    what is wanted themselves: no successor. Returns, to exit, when the kernel is
+    gone, or once retired (Retire) with no rank of its own left."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select via wake_w
     wire.send(ctrl, ForkserverReady(os.getpid(), _imported(wanted)))
-    served = retired = False
-    handed_over = spares is not None or not platform.CAN_HAND_OVER
+    served = retired = successor = False
+    handed_over = spares.import_torch or not platform.CAN_HAND_OVER
     ranks: set[int] = set()  # forked here and not yet reaped
     keep = (ctrl.fileno(), wake_r, wake_w)
     while True:
@@ -120,15 +125,16 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...],
         idle = None
         if missing:
             idle = IDLE_BEFORE_PRELOAD if served else IDLE_UNSERVED
-        elif spares is not None and spares.short():
-            idle = IDLE_BEFORE_SPARES if served else IDLE_BEFORE_FIRST_SPARES
+        elif not successor and spares.short():
+            idle = spares.idle_before(served)
         ready, _, _ = select.select([ctrl, wake_r, *gone], [], [], idle)
-        if not ready and spares is not None:  # idle: new spares import torch
-            spares.fill(keep)
-            continue
-        if not ready:  # idle: let a successor import more, then take over
+        if not ready and missing:  # idle: let a successor import more, take over
+            spares.release()  # it makes its own, with what it imported
             _start_successor(ctrl, gone, wanted, close=(wake_r, wake_w))
-            handed_over = True
+            handed_over = successor = True
+            continue
+        if not ready:  # idle: spares for the next start
+            spares.fill(keep)
             continue
         if any(fd in ready for fd in gone):
             return
@@ -136,8 +142,7 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...],
             os.read(wake_r, 4096)
             reaped = _reap(ctrl)
             ranks -= reaped
-            if spares is not None:
-                spares.forget(reaped)
+            spares.forget(reaped)
         if ctrl in ready:
             msg = wire.recv(ctrl)
             if msg is None:
@@ -148,20 +153,16 @@ def _loop(ctrl: socket.socket, gone: tuple[int, ...], wanted: tuple[str, ...],
                 wanted = tuple(dict.fromkeys((*wanted, *msg.names)))
                 if not handed_over and set(wanted) <= sys.modules.keys():
                     # imported already (by torch, say): no successor; say so
-                    # (with spares, handed_over: ranks import it on first use)
+                    # (portable start: handed_over; ranks import it on first use)
                     wire.send(ctrl, ForkserverReady(os.getpid(), wanted))
             elif isinstance(msg, Spawn):
                 sys.stdout.flush()
                 sys.stderr.flush()
-                if spares is None:
-                    pids = tuple(_fork_rank(spec, keep, gone) for spec in msg.specs)
-                else:
-                    pids = tuple(spares.start(spec, keep) for spec in msg.specs)
+                pids = tuple(spares.start(spec, keep) for spec in msg.specs)
                 ranks.update(pids)
                 wire.send(ctrl, Spawned(pids))
                 served = True
-                if spares is not None:  # once idle, ready to start these again
-                    spares.target = len(msg.specs)
+                spares.target = len(msg.specs)  # once idle, ready for these again
 
 
 def _start_successor(ctrl, gone, wanted, close) -> None:
@@ -174,7 +175,7 @@ def _start_successor(ctrl, gone, wanted, close) -> None:
                 os.close(fd)
             for name in wanted:
                 importlib.import_module(name)
-            _loop(theirs, gone, wanted=wanted)
+            _loop(theirs, gone, wanted, Spares(gone, "fork"))
         finally:
             os._exit(0)
     theirs.close()
@@ -213,20 +214,6 @@ def describe_status(status: int) -> str:
     return f"exited with code {code}"
 
 
-def _fork_rank(spec, close_fds: tuple[int, ...], gone: tuple[int, ...]) -> int:
-    pid = os.fork()
-    if pid:
-        return pid
-
-    def rank() -> int:
-        from labkit.runtime.rank import rank_main
-
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        return rank_main(spec, gone)
-
-    _child(close_fds, rank)
-
-
 def _child(close_fds, main) -> None:
     """In a process just forked here: drop the server's descriptors and signal
     handlers, run main(), report whatever it raised, exit with its code."""
@@ -249,27 +236,40 @@ def _child(close_fds, main) -> None:
             os._exit(code)
 
 
-# ------------------------------------------------------------ the portable start
+# ------------------------------------------------------------------ spares
 
 SPARES = 4  # spares kept ready by default ($LABKIT_SPARES): the default cluster's
 
 
 class Spares:
-    """Processes forked from the portable forkserver (no torch imported) that
-    import torch and wait for a rank's spec: a start or a restart takes them
-    instead of waiting for torch's import. What ranks import on first use
-    (Preload: torch._dynamo...) they import then, each its own: nothing is shared
-    after the fork anyway. As many are kept as the last start asked for
-    ($LABKIT_SPARES before the first), forked once the server has idled
-    (IDLE_BEFORE_*): each costs a torch import, so none is made ahead for more."""
+    """Processes forked from the forkserver that wait for a rank's spec: a start
+    or a restart takes them instead of waiting for the forks (fork start: the
+    forks of a process that holds torch, ~10 ms each here) or for torch's import
+    (portable start: the spares import it themselves, and what ranks import on
+    first use, Preload's torch._dynamo..., each its own: nothing is shared after
+    the fork anyway). As many are kept as the last start asked for
+    ($LABKIT_SPARES before the first; 0: none), forked once the server has idled
+    (IDLE_BEFORE_*); none is made ahead for more."""
 
-    def __init__(self, gone: tuple[int, ...]):
+    def __init__(self, gone: tuple[int, ...], start: str):
         self.gone = gone
+        self.import_torch = start == "portable"
+        self.idle = IDLE_BEFORE_SPARES[start]
         self.waiting: list[tuple[int, socket.socket]] = []  # oldest first
         self.target = int(os.environ.get("LABKIT_SPARES", SPARES))
 
     def short(self) -> bool:
         return len(self.waiting) < self.target
+
+    def idle_before(self, served: bool) -> float:
+        """Seconds idle before filling: after a start, or after the server's."""
+        return self.idle if served else IDLE_BEFORE_FIRST_SPARES
+
+    def release(self) -> None:
+        """Let every waiting spare go (it reads EOF and exits)."""
+        for _, sock in self.waiting:
+            sock.close()
+        self.waiting.clear()
 
     def fill(self, keep: tuple[int, ...]) -> None:
         while len(self.waiting) < self.target:
@@ -304,12 +304,14 @@ class Spares:
             theirs.close()
             return pid, ours
         close = (*keep, ours.fileno(), *(s.fileno() for _, s in self.waiting))
-        _child(close, lambda: _spare(theirs, self.gone))
+        _child(close, lambda: _spare(theirs, self.gone, self.import_torch))
 
 
-def _spare(sock: socket.socket, gone: tuple[int, ...]) -> int:
-    """A spare's life: import torch, wait for a spec, be that rank."""
-    _import_torch()
+def _spare(sock: socket.socket, gone: tuple[int, ...], import_torch: bool) -> int:
+    """A spare's life: import torch (portable start), wait for a spec, be that
+    rank."""
+    if import_torch:
+        _import_torch()
     from labkit.runtime.rank import rank_main
 
     ready = select.select([sock, *gone], [], [])[0]
