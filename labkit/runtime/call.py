@@ -25,6 +25,7 @@ from labkit.runtime.live import LiveView, display_publisher, live_frontend
 from labkit.runtime.messages import Call, Progress, Raised, Returned, StatusRequest
 from labkit.runtime.output import write_transcript
 from labkit.runtime.results import RankResults, SendTimeout, build_error
+from labkit.runtime.flight import find_mismatch
 from labkit.runtime.status import describe_busy, describe_live
 from labkit.runtime.timeouts import DEFAULT, Timeouts
 from labkit.units import human_bytes
@@ -95,7 +96,11 @@ class CallInFlight:
         finished, shown = False, False
         try:
             pending = self._wait()
-            busy = self._ask_status(sorted(pending)) if pending else {}
+            busy, logs = {}, {}
+            if pending:  # every rank still there, with its flight recorder
+                asked = sorted(pending | set(self.returned))
+                busy, logs = self._ask_status(asked, collectives=True)
+                busy = {r: busy[r] for r in sorted(pending)}
             outputs, errors, transcript = self.output.transcript(self.ranks)
             for r, how in self.failed.items():  # a rank that died: its last words
                 if isinstance(how, str) and (words := last_words(errors[r])):
@@ -107,7 +112,10 @@ class CallInFlight:
         if not shown:
             write_transcript(transcript)
         if self.failed or pending:
-            raise build_error(self.failed, busy, sorted(self.returned), self.timeout)
+            where = {r: "done with the call (it had returned)" for r in self.returned}
+            mismatch = find_mismatch(logs, where | busy) if logs else []
+            raise build_error(self.failed, busy, sorted(self.returned), self.timeout,
+                              mismatch=mismatch, collectives=logs)
         return RankResults({r: m.value for r, m in self.returned.items()}, outputs,
                            {r: m.seconds for r, m in self.returned.items()},
                            self.links.world_size)
@@ -249,24 +257,27 @@ class CallInFlight:
         except Exception:  # noqa: BLE001  (showing what we can is best effort)
             return []
 
-    def _ask_status(self, ranks: list[int]) -> dict[int, str]:
-        """What each rank still busy is doing (after the call gave up on it)."""
+    def _ask_status(self, ranks: list[int], collectives: bool = False
+                    ) -> tuple[dict[int, str], dict[int, dict | None]]:
+        """What each rank is doing (after the call gave up on some), and with
+        `collectives` its flight recorder's record (flight.read_recorder)."""
         status = self.links.status
         asked = []
         for r in ranks:
             try:
-                wire.send(status[r], StatusRequest())
+                wire.send(status[r], StatusRequest(collectives))
                 asked.append(r)
             except (OSError, KeyError):
                 pass
         out = {r: "not answering" for r in ranks}
+        logs = {}
         end = time.monotonic() + self.times.status
         for r in asked:
             if select_one(status[r], max(0.0, end - time.monotonic()))[0]:
                 st = wire.recv(status[r])
                 if st is not None:
-                    out[r] = describe_busy(st)
-        return out
+                    out[r], logs[r] = describe_busy(st), st.collectives
+        return out, logs
 
 
 def drain(fd: int | None) -> None:

@@ -49,6 +49,7 @@ from labkit.runtime.scratch import Scratch
 from labkit.runtime.timeouts import Timeouts
 
 _DEFAULT = object()
+FLIGHT_RECORDS = 64  # collectives each rank's flight recorder keeps ($TORCH_FR_...)
 
 
 _CLUSTERS: weakref.WeakSet = weakref.WeakSet()
@@ -384,7 +385,11 @@ class Cluster:
                  "MASTER_PORT": str(self.port),
                  # gloo and NCCL open their own sockets: keep them on loopback
                  "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo",
-                 "OMP_NUM_THREADS": str(self.threads)},
+                 "OMP_NUM_THREADS": str(self.threads),
+                 # torch's flight recorder: each rank's last collectives, read
+                 # after a timeout to name the rank that did not enter one
+                 "TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE",
+                                                        str(FLIGHT_RECORDS))},
         )
 
     def _connect_ranks(self, deadline: float) -> None:

@@ -160,7 +160,7 @@ class Progress:
 
 @dataclass(frozen=True)
 class StatusRequest:
-    pass
+    collectives: bool = False  # the rank's flight recorder too (after a timeout)
 
 
 @dataclass(frozen=True)
@@ -171,3 +171,4 @@ class Status:
     seconds: float = 0.0  # how long the current call has run
     phase: str | None = None  # "joining the process group", "unpickling your function"
     importing: str | None = None  # the module an import in progress is loading
+    collectives: dict | None = None  # group id -> flight.GroupLog, when asked

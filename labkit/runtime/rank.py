@@ -18,7 +18,7 @@ import traceback
 from dataclasses import replace
 
 from labkit import probe
-from labkit.runtime import wire
+from labkit.runtime import flight, wire
 from labkit.runtime.messages import (
     ROLE_ENV,
     Call,
@@ -182,7 +182,7 @@ def describe_exception(e: BaseException) -> RemoteError:
 
 
 def _serve_status(sock: socket.socket, main_ident: int) -> None:
-    while wire.recv(sock) is not None:
+    while (request := wire.recv(sock)) is not None:
         frame = sys._current_frames().get(main_ident)
         stack = ()
         if frame is not None:
@@ -199,7 +199,9 @@ def _serve_status(sock: socket.socket, main_ident: int) -> None:
         call, phase = STATE["call"], STATE["phase"]
         busy = call is not None or phase == "unpickling your function"
         seconds = time.monotonic() - STATE["started"] if busy else 0.0
-        wire.send(sock, Status(call, activity, stack, seconds, phase, importing))
+        collectives = flight.read_recorder() if request.collectives else None
+        wire.send(sock, Status(call, activity, stack, seconds, phase, importing,
+                               collectives))
 
 
 def _importing(frame) -> str | None:

@@ -16,7 +16,10 @@ class RankError(RuntimeError):
 
     ``failures`` maps rank -> formatted traceback, ``exceptions`` rank -> the
     exception object (None if it could not travel), ``busy`` rank -> what a rank
-    still running was doing, ``finished`` the ranks that returned.
+    still running was doing, ``finished`` the ranks that returned; after a
+    timeout, ``collectives`` rank -> its flight recorder's record by group
+    (runtime.flight.GroupLog) and ``mismatch`` what they disagree on, a sentence
+    each.
     """
 
     def __init__(self, message, *, failures=None, exceptions=None, busy=None,
@@ -26,6 +29,8 @@ class RankError(RuntimeError):
         self.exceptions = dict(exceptions or {})
         self.busy = dict(busy or {})
         self.finished = list(finished)
+        self.mismatch: list[str] = []
+        self.collectives: dict = {}
 
     def _render_traceback_(self):  # IPython shows this instead of labkit's frames
         return [f"{type(self).__name__}: {self}"]
@@ -138,11 +143,14 @@ def format_remote(error: RemoteError) -> str:
 
 
 def build_error(failed: dict, busy: dict[int, str], finished: list[int],
-                timeout: float | None) -> RankError:
+                timeout: float | None, mismatch: list[str] = (),
+                collectives: dict | None = None) -> RankError:
     """The exception for a call that did not end well on every rank.
 
     failed: rank -> a RemoteError, or a string saying how the rank died; busy:
-    rank -> what a rank still running was doing; finished: ranks that returned."""
+    rank -> what a rank still running was doing; finished: ranks that returned;
+    mismatch: what the ranks' flight recorders disagree on (flight.find_mismatch),
+    from `collectives`, rank -> its record."""
     texts, excs, heads = {}, {}, []
     for r, f in sorted(failed.items()):
         if isinstance(f, str):
@@ -158,11 +166,16 @@ def build_error(failed: dict, busy: dict[int, str], finished: list[int],
     else:
         lines = [f"ranks {sorted(busy)} still busy after {timeout:g} s "
                  "(did every rank call the same collectives, in the same order?)"]
+    if mismatch:
+        lines += ["", "--- the flight recorders (each rank's last collectives) ---",
+                  *mismatch]
     if busy or finished:
         lines += ["", "--- the other ranks ---" if failed else "--- ranks ---"]
         for r in sorted([*busy, *finished]):
             lines.append(f"rank {r}: " + (busy[r] if r in busy else "finished"))
     lines += ["", "The ranks were stopped; the next run starts them again."]
     cls = RankError if failed else CollectiveTimeout
-    return cls("\n".join(lines), failures=texts, exceptions=excs, busy=busy,
-               finished=finished)
+    error = cls("\n".join(lines), failures=texts, exceptions=excs, busy=busy,
+                finished=finished)
+    error.mismatch, error.collectives = list(mismatch), dict(collectives or {})
+    return error
