@@ -81,6 +81,26 @@ from labkit.theory.context_parallel import (
     ring_traffic,
     ulysses_traffic,
 )
+from labkit.theory.failures import (
+    DAY,
+    HOUR,
+    LLAMA3_FAILURES,
+    FailureSnapshot,
+    SyncTraffic,
+    bytes_across_hosts,
+    crossover_bandwidth,
+    daly_interval,
+    ddp_traffic,
+    diloco_traffic,
+    expected_interruptions,
+    failure_cost,
+    failure_snapshot,
+    job_mtbf,
+    quantized_payload,
+    sync_step_time,
+    wasted_fraction,
+    young_interval,
+)
 from labkit.theory.moe import (
     ExpertMemory,
     ExpertTraffic,
@@ -112,3 +132,8 @@ __all__ += ["CP_METHODS", "ContextTraffic", "allgather_traffic",
             "context_parallel_traffic", "ring_traffic", "ulysses_traffic"]
 __all__ += ["ExpertMemory", "ExpertTraffic", "MoEParams", "expert_memory",
             "expert_traffic", "moe_params", "node_limited_reach"]
+__all__ += ["DAY", "HOUR", "LLAMA3_FAILURES", "FailureSnapshot", "SyncTraffic",
+            "bytes_across_hosts", "crossover_bandwidth", "daly_interval",
+            "ddp_traffic", "diloco_traffic", "expected_interruptions", "failure_cost",
+            "failure_snapshot", "job_mtbf", "quantized_payload", "sync_step_time",
+            "wasted_fraction", "young_interval"]
