@@ -16,6 +16,15 @@ from labkit.parallel.activation_checkpointing import (
     time_step,
 )
 from labkit.parallel.data_parallel import DataParallel
+from labkit.parallel.diloco import DiLoCo, quantized_average
+from labkit.parallel.resume import (
+    ResumableSampler,
+    Resumed,
+    load_train_state,
+    rng_state,
+    save_train_state,
+    set_rng_state,
+)
 from labkit.parallel.fsdp import FullyShardedDataParallel
 from labkit.parallel.groups import ParallelGroups, grid
 from labkit.parallel.models import (
@@ -124,3 +133,8 @@ __all__ += ["ExpertParallelMoE", "MoELayer", "MoEStats", "Router",
             "Routing", "all_to_all_rows", "capacity", "expert_parameters",
             "limit_nodes", "switch_balance_loss", "sync_expert_data_parallel_grads",
             "update_bias", "within_capacity"]
+# DiLoCo and Streaming DiLoCo (chapter 13)
+__all__ += ["DiLoCo", "quantized_average"]
+# resuming exactly (chapter 13)
+__all__ += ["ResumableSampler", "Resumed", "load_train_state", "rng_state",
+            "save_train_state", "set_rng_state"]

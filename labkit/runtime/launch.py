@@ -68,7 +68,12 @@ def launch_torchrun(target: str, nproc: int, torchrun_args: list[str], args=(),
         cmd += ["--results", str(results)]
     if not any(a.startswith(("--rdzv", "--master", "--nnodes")) for a in torchrun_args):
         cmd[3:3] = ["--standalone"]  # one machine: a free local port, no setup
-    return subprocess.call(cmd)
+    # torchrun's rendezvous shares its TCP store with the workers and keeps it
+    # across --max-restarts: restarted gloo workers read the dead ones' addresses
+    # and cannot connect (pytorch/pytorch#135712, seen with torch 2.13); each
+    # worker group then hosts a store of its own
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **os.environ}
+    return subprocess.call(cmd, env=env)
 
 
 def _short(value) -> str:
