@@ -1,4 +1,4 @@
-"""labkit.checks.three_d (chapter 13): each check passes a right answer on the
+"""labkit.checks.three_d (chapter 14): each check passes a right answer on the
 cases it draws, says "not written yet" for a stub, names the usual mistakes, and
 fails every shortcut: labkit's own implementation (grid code, model and ledger,
 ring pricing, the layout calculator) or the check's reference, answers written

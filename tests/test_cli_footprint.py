@@ -103,7 +103,7 @@ STAGES = [
                *[_proc(f"rank {r} of 4", 100 * MIB, 5 * MIB) for r in range(4)]]},
     {"stage": "left idle 3 s", "wall_s": 4.0, "cpu_s": 0.0,
      "procs": [_proc("kernel", 200 * MIB, 20 * MIB, listening=["0.0.0.0:9"])]},
-    {"stage": "ch13: 8-rank cluster after a 3D step", "wall_s": 4.0, "cpu_s": 4.0,
+    {"stage": "ch14: 8-rank cluster after a 3D step", "wall_s": 4.0, "cpu_s": 4.0,
      "procs": [_proc("kernel", 200 * MIB, 20 * MIB),
                *[_proc(f"rank {r} of 8", 60 * MIB, 5 * MIB) for r in range(8)]]},
 ]

@@ -25,7 +25,10 @@ def test_every_citation_has_a_full_reference_and_every_reference_a_citation():
     assert uncited == [], f"references no chapter cites: {uncited}"
     page = site.references_page(NOTEBOOKS)
     assert page.count("\n- ") == len(references.REFERENCES)
-    assert "arXiv:2104.04473" in page and "Cited in chapters 09, 10, 13" in page
+    # 14 (putting it together) cites Megatron-LM at scale; 13 (failures) may too
+    (line,) = [ln for ln in page.splitlines() if "arXiv:2104.04473" in ln]
+    assert re.search(r"\*Cited in chapters 09, 10, (13, )?14\.\*$", line), (
+        f"Narayanan et al. 2021: {line!r}, cited in chapters 09, 10, 14 expected")
 
 
 def test_a_citation_the_list_lacks_is_found():

@@ -1,4 +1,4 @@
-"""Chapter 13's checks: a rank's groups for any order of the dimensions, the bytes
+"""Chapter 14's checks: a rank's groups for any order of the dimensions, the bytes
 a rank of a 3D run sends in its data-parallel group, a ring collective's α-β
 seconds, and how a long-context layout change moves each dimension's bytes.
 

@@ -1,4 +1,4 @@
-"""`python -m labkit bench roofline`: chapter 13's roofline against the GPU it
+"""`python -m labkit bench roofline`: chapter 14's roofline against the GPU it
 describes. Times bf16 matrix products of the shapes one GPU gets from a Llama 3
 405B layer under TP 8 (QKV at 8192, 1024, 256 and 32 tokens, the MLP's down
 projection at 8192) and sets each beside the calculator's price for it,
@@ -33,7 +33,7 @@ def cluster_for(device_name: str):
 
 
 def shapes() -> dict[str, tuple[float, float, float]]:
-    """{label: (m, n, k)}: the products chapter 13's roofline chart places."""
+    """{label: (m, n, k)}: the products chapter 14's roofline chart places."""
     from labkit.theory import layer_gemms
     from labkit.theory import MODELS
 
@@ -87,7 +87,7 @@ def roofline_rows(measured: dict[str, float], cluster) -> list[Row]:
 
 
 def bench_roofline() -> int:
-    """Time the matrix products chapter 13's calculator prices on this CUDA GPU,
+    """Time the matrix products chapter 14's calculator prices on this CUDA GPU,
     each against its roofline; exit_code of the rows, or 2 without a CUDA GPU
     or without roofline constants for it."""
     import torch
@@ -96,7 +96,7 @@ def bench_roofline() -> int:
 
     if not torch.cuda.is_available():
         print("bench roofline times matrix products on a CUDA GPU, and this machine "
-              "has none: run it where chapter 13's GPUs are (an H100 or A100).")
+              "has none: run it where chapter 14's GPUs are (an H100 or A100).")
         return 2
     name = torch.cuda.get_device_name()
     cluster = cluster_for(name)

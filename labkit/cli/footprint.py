@@ -90,7 +90,7 @@ def fsdp_steps(rank, world_size, steps=3):
 
 
 def three_d_step(rank, world_size, steps=3):
-    """Chapter 13: TinyGPT on DP(2) x PP(2) x TP(2), SGD, the ledgers."""
+    """Chapter 14: TinyGPT on DP(2) x PP(2) x TP(2), SGD, the ledgers."""
     import torch
 
     from labkit import ledger
@@ -146,7 +146,7 @@ STAGES = [  # (stage, code run in the kernel, clusters whose ranks it names)
      f"time.sleep({IDLE_S} + 1)", "cluster"),
     ("next run after the idle stop", "cluster.run(_fp.noop)", "cluster"),
     ("cluster closed", "cluster.close()", ""),
-    ("ch13: 8-rank cluster after a 3D step",
+    ("ch14: 8-rank cluster after a 3D step",
      "c8 = labkit.Cluster(8); c8.run(_fp.three_d_step)", "c8"),
 ]
 
@@ -201,7 +201,7 @@ def measure_stages(stages=STAGES, timeout: float = 300.0) -> list[dict]:
 
 def summary(stages: list[dict]) -> dict:
     """The per-student figures doctor uses: anonymous Pss at the heaviest 4-rank
-    stage, the heaviest of all (chapter 13's 8 ranks) and once the idle timeout
+    stage, the heaviest of all (chapter 14's 8 ranks) and once the idle timeout
     stopped the ranks; the library files once; the cores a step kept busy and an
     idle cluster used (CPU seconds / wall seconds)."""
     def total(s, key):
