@@ -29,6 +29,7 @@ from labkit.runtime.timeouts import Timeouts  # noqa: E402
 # for the layers above (the CLI, the checks, the ledgers)
 from labkit.runtime.backend import gpu_count, resolve_backend  # noqa: E402
 from labkit.runtime.launch import launch_torchrun  # noqa: E402
+from labkit.runtime.flight import Entry, GroupLog, find_mismatch, read_recorder  # noqa: E402
 from labkit.runtime.platform import available_starts  # noqa: E402
 from labkit.runtime.results_io import merge_records, read_records  # noqa: E402
 from labkit.runtime.status import innermost_users, line_of  # noqa: E402
@@ -38,3 +39,5 @@ __all__ = ["CallInterrupted", "Cluster", "ClusterClosed", "CollectiveTimeout",
            "default_cluster", "load_results", "progress", "run"]
 __all__ += ["available_starts", "gpu_count", "innermost_users", "launch_torchrun",
             "line_of", "merge_records", "read_records", "resolve_backend"]
+# each rank's flight recorder, and what the ranks' records disagree on
+__all__ += ["Entry", "GroupLog", "find_mismatch", "read_recorder"]

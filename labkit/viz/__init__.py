@@ -29,6 +29,7 @@ from labkit.viz.network_charts import (
     hierarchy_table,
     link_load,
 )
+from labkit.viz.failure_charts import bytes_per_step, loss_curves, waste_curve
 from labkit.viz.pipeline_charts import (
     bubble_vs_m,
     pipeline_timeline,
@@ -68,6 +69,7 @@ __all__ += ["StrategyChooser", "gemm_roofline", "step_time_bars", "strategy_choo
 __all__ += ["Prose", "prose"]
 __all__ += ["bubble_vs_m", "pipeline_timeline", "pipeline_timelines",
             "schedule_timeline", "schedule_timelines"]
+__all__ += ["bytes_per_step", "loss_curves", "waste_curve"]
 # what the built pages are laid out for: the column a chart fits, the controls
 # that work with no kernel (labkit.cli.page_assets)
 __all__ += ["LIVE_CLASS", "PAGE_WIDTH_IN"]
