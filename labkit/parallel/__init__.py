@@ -17,6 +17,12 @@ from labkit.parallel.activation_checkpointing import (
 )
 from labkit.parallel.data_parallel import DataParallel
 from labkit.parallel.diloco import DiLoCo, quantized_average
+from labkit.parallel.replicas import (
+    ReplicaMismatch,
+    check_replicas,
+    first_difference,
+    replica_digest,
+)
 from labkit.parallel.resume import (
     ResumableSampler,
     Resumed,
@@ -138,3 +144,6 @@ __all__ += ["DiLoCo", "quantized_average"]
 # resuming exactly (chapter 13)
 __all__ += ["ResumableSampler", "Resumed", "load_train_state", "rng_state",
             "save_train_state", "set_rng_state"]
+# silent data corruption: replicas compared by digest (chapter 13)
+__all__ += ["ReplicaMismatch", "check_replicas", "first_difference",
+            "replica_digest"]
