@@ -17,17 +17,22 @@ address. What a real cluster needs is set here the same way:
 Each namespace gets its own hostname (a UTS namespace) and /etc/hosts naming both
 (/etc/netns/NAME/hosts, which `ip netns exec` mounts), addresses only inside the
 namespaces, static ARP entries and no IPv6 (so every packet on veth0 is the
-ranks' TCP); everything is removed again, processes first, even on failure.
+ranks' TCP); everything is removed again, processes first, even on failure. The
+namespaces themselves are labkit.comm.two_hosts's; `agent` is this file's.
 
-    python examples/two_hosts.py          # chapters 05 and 07, printed as it goes
+Then chapter 13's comparison (labkit/cli/diloco_vs_ddp.py): DDP against DiLoCo
+(H = 1, 8, 64) at equal tokens, the bytes a step sends across the veth next to
+theory.bytes_across_hosts, and their step times with the link shaped to
+100 Mbit/s each way (tc tbf). Without root it runs the same workers on one host
+under the traffic ledger instead, and exits 1.
+
+    python examples/two_hosts.py          # chapters 05 and 07, then DiLoCo
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -35,94 +40,19 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from labkit.cli import diloco_vs_ddp  # noqa: E402
+from labkit.comm import two_hosts  # noqa: E402
+from labkit.comm.two_hosts import ADDRS, PORT, cannot_make_namespaces, sh  # noqa: E402
+
 PROBE = Path(__file__).resolve().parent / "two_hosts_probe.py"
-ADDRS = ("10.77.0.1", "10.77.0.2")
-PORT = 29500  # a fresh namespace has every port free
 JOBS = [("05_data_parallel", "one_step", ("overlap",)),
         ("07_fsdp", "train", ("FSDP",))]
 
 
-def cannot_make_namespaces() -> str | None:
-    """Why two namespaces cannot be made here (one line), or None."""
-    if shutil.which("ip") is None or shutil.which("ss") is None:
-        return "the `ip` and `ss` commands (iproute2) are missing"
-    if os.geteuid() != 0:
-        return "network namespaces need root (CAP_NET_ADMIN)"
-    name = f"lkprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True,
-                          text=True)
-    if made.returncode:
-        return f"`ip netns add` refused: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return None
-
-
-def sh(*cmd, ns=None, check=True) -> str:
-    if ns is not None:
-        cmd = ("ip", "netns", "exec", ns, *cmd)
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    if check and run.returncode:
-        raise RuntimeError(f"{' '.join(cmd)}: {run.stderr.strip()}")
-    return run.stdout
-
-
-class TwoHosts:
-    """`with TwoHosts() as hosts:` two namespaces, hosts.names[0] and [1]."""
-
-    def __init__(self, tag: str | None = None):
-        tag = tag or str(os.getpid())
-        self.names = [f"lk{tag}a", f"lk{tag}b"]
-        self.hostnames = ["host-a", "host-b"]
-
-    def __enter__(self):
-        try:
-            self._make()
-        except BaseException:
-            self.remove()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        self.remove()
-
-    def _make(self) -> None:
-        a, b = self.names
-        for ns in self.names:
-            sh("ip", "netns", "add", ns)
-            etc = Path("/etc/netns", ns)  # `ip netns exec` mounts it over /etc
-            etc.mkdir(parents=True, exist_ok=True)
-            (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(
-                f"{addr} {name}\n" for addr, name in zip(ADDRS, self.hostnames)))
-            sh("sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6 && "
-               "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6", ns=ns)
-        sh("ip", "-n", a, "link", "add", "veth0", "type", "veth", "peer", "name",
-           "veth0", "netns", b)
-        for ns, addr in zip(self.names, ADDRS):
-            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "veth0")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-            sh("ip", "-n", ns, "link", "set", "veth0", "up")
-        macs = [sh("cat", "/sys/class/net/veth0/address", ns=ns).strip()
-                for ns in self.names]
-        for ns, addr, mac in ((a, ADDRS[1], macs[1]), (b, ADDRS[0], macs[0])):
-            sh("ip", "-n", ns, "neigh", "replace", addr, "lladdr", mac, "dev",
-               "veth0", "nud", "permanent")
-
-    def pids(self, ns: str) -> list[int]:
-        return [int(p) for p in sh("ip", "netns", "pids", ns, check=False).split()]
-
-    def remove(self) -> list[str]:
-        """Kill what runs in each namespace, then delete it; returns what is left."""
-        for ns in self.names:
-            for pid in self.pids(ns):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            end = time.monotonic() + 10
-            while self.pids(ns) and time.monotonic() < end:
-                time.sleep(0.05)
-            sh("ip", "netns", "del", ns, check=False)
-            shutil.rmtree(Path("/etc/netns", ns), ignore_errors=True)
-        listed = sh("ip", "netns", "list", check=False)
-        return [ns for ns in self.names if ns in listed.split()]
+class TwoHosts(two_hosts.TwoHosts):
+    """`with TwoHosts() as hosts:` two namespaces, hosts.names[0] and [1], with a
+    torchrun agent for each."""
 
     def agent(self, i: int, worker_args: list[str], results, probe_dir, *,
               nnodes: int = 2, nproc: int = 2, rdzv_id: str = "two-hosts"):
@@ -224,10 +154,18 @@ def report(rows) -> str:
     return "\n".join(lines)
 
 
+def diloco() -> None:
+    """DDP against DiLoCo on two hosts: bytes across, then the shaped link."""
+    print("\nDiLoCo against DDP, 2 hosts x 2 ranks, the same 64 steps and batches")
+    print(diloco_vs_ddp.report_two_hosts(diloco_vs_ddp.measure_two_hosts()))
+
+
 def main() -> int:
     why = cannot_make_namespaces()
     if why:
-        print(f"two hosts: cannot run here: {why}")
+        print(f"two hosts: cannot run here: {why}\nthe DiLoCo comparison on one "
+              "host instead (no bytes across hosts):")
+        print(diloco_vs_ddp.report_one_host(diloco_vs_ddp.measure_one_host()))
         return 1
     work = ROOT / "build" / "two-hosts"
     shutil.rmtree(work, ignore_errors=True)
@@ -249,6 +187,7 @@ def main() -> int:
     from labkit.runtime import load_results
 
     print(report(accounting(load_results(*results).values)))
+    diloco()
     return 0
 
 
