@@ -77,3 +77,34 @@ def test_a_rank_that_returned_early_is_named_too(cluster):
         cluster.run(_skips, 0, 0)  # rank 0 returns instead of the fourth
     assert any(m.startswith("rank 0 did not enter all_reduce #4") and
                "done with the call" in m for m in e.value.mismatch), e.value.mismatch
+
+
+def _skips_in_a_subgroup(rank, world_size):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    x = torch.ones(4)
+    dist.all_reduce(x, group=mine)
+    if rank == 3:
+        time.sleep(60)  # rank 3 skips its pair's second all-reduce
+    else:
+        dist.all_reduce(x, group=mine)
+
+
+def test_a_hang_in_a_subgroup_is_named_by_the_groups_name(cluster):
+    # each rank numbers only the groups it belongs to: ranks 2 and 3 call their
+    # pair the process's group 1, named "2" everywhere; no phantom groups
+    cluster.restart()  # fresh ranks: group names from 1
+    with pytest.raises(labkit.RankError) as e:
+        cluster.run(_skips_in_a_subgroup)
+    mismatch = e.value.mismatch
+    assert len(mismatch) == 1 and mismatch[0].startswith(
+        "rank 3 did not enter all_reduce #2 of [4] float32 of the group 2 (ranks "
+        "[2, 3]), which rank 2 entered"), mismatch
+    entered = {r: {g: log.entered for g, log in logs.items()}
+               for r, logs in e.value.collectives.items()}
+    assert entered == {0: {"1": 2}, 1: {"1": 2}, 2: {"2": 2}, 3: {"2": 1}}, entered

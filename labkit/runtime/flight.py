@@ -59,7 +59,13 @@ def read_recorder(keep: int = KEEP) -> dict[str, GroupLog] | None:
         trace = json.loads(_dump_fr_trace_json(includeCollectives=True))
     except Exception:  # noqa: BLE001  (a diagnosis, never a failure)
         return None
-    status = trace.get("pg_status") or {}
+    # pg_status is keyed by this process's own number for a group (its groups
+    # counted in the order it joined them), entries by the group's name, which
+    # every rank shares: name the statuses too
+    ids = _names_by_id()
+    for e in trace.get("entries") or ():
+        ids[str(e.get("pg_id"))] = str(e["process_group"][0])
+    status = {ids.get(k, k): v for k, v in (trace.get("pg_status") or {}).items()}
     entries: dict[str, list[Entry]] = {}
     for e in trace.get("entries") or ():
         if e.get("is_p2p"):
@@ -95,6 +101,18 @@ def _members() -> dict[str, list[int]]:
         return {str(world.pg_names[pg]): sorted(ranks)
                 for pg, ranks in world.pg_group_ranks.items()
                 if pg in world.pg_names}
+    except Exception:  # noqa: BLE001  (names only: a diagnosis, never a failure)
+        return {}
+
+
+def _names_by_id() -> dict[str, str]:
+    """This process's number for each of its groups -> the group's name: the
+    groups it is a member of, numbered from 0 in the order it joined them."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        return {str(i): str(name)
+                for i, name in enumerate(c10d._world.pg_names.values())}
     except Exception:  # noqa: BLE001  (names only: a diagnosis, never a failure)
         return {}
 
