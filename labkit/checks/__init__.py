@@ -60,6 +60,13 @@ from labkit.checks.expert_parallel import (
 
 from labkit.checks.sequence_parallel import check_cp_choice, check_ring_growth
 
+from labkit.checks.failures import (
+    check_diloco_bytes,
+    check_hung,
+    check_interval,
+    check_resume,
+)
+
 from labkit.checks.grading import graded, intact, remember
 
 __all__ = ["ExerciseError", "SliceSGD", "check_answer", "check_bucket_flush",
@@ -80,6 +87,7 @@ __all__ += ["check_bucket_count", "check_design", "check_min_units",
             "elements_shared"]
 __all__ += ["check_balance", "check_dispatch", "check_ib_bytes"]
 __all__ += ["check_cp_choice", "check_ring_growth"]
+__all__ += ["check_diloco_bytes", "check_hung", "check_interval", "check_resume"]
 # an nbgrader assignment's first code cell and its locked test cells
 # (labkit/cli/assignments.py)
 __all__ += ["NotAnswered", "graded", "intact"]

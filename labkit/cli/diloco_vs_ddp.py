@@ -356,3 +356,51 @@ def report_one_host(rows: list[LedgerRow]) -> str:
     lines.append(f"  on two hosts a full sync would send {across:,.0f} B across "
                  "(theory.bytes_across_hosts): DDP's every step, DiLoCo's every H")
     return "\n".join(lines)
+
+
+def summary(c: TwoHostsComparison) -> dict:
+    """measure_two_hosts' figures as plain numbers (JSON): per trial a step's
+    payload across and what the closed form plus gloo's framing allows it, with
+    the TCP options a frame may carry as the allowance; the step times."""
+    rows = [{"name": r.name, "sync_every": r.sync_every, "sent": r.sent,
+             "closed_form": r.closed_form,
+             "expected": r.closed_form + c.framing / r.sync_every,
+             "allowed": two_hosts.OPTIONS * r.crossed.packets / r.steps,
+             "final_loss": r.final_loss} for r in c.rows]
+    times = {}
+    for name, h in (("DDP", 1), (f"DiLoCo H={c.timed_h}", c.timed_h)):
+        times[name] = {"sync_every": h, "fast": c.seconds[name, False],
+                       "shaped": c.seconds[name, True],
+                       "link": c.across / (h * c.bandwidth),
+                       "crossover": theory.crossover_bandwidth(c.compute,
+                                                               c.across, h)}
+    return {"payload": c.payload, "across": c.across, "framing": c.framing,
+            "rows": rows, "rate_mbit": c.rate_mbit, "bandwidth": c.bandwidth,
+            "compute": c.compute, "times": times}
+
+
+def main(argv=None) -> int:
+    """`python -m labkit.cli.diloco_vs_ddp [--steps N] [--json]`: the two-host
+    comparison (root), or why it cannot run here (exit 2)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m labkit.cli.diloco_vs_ddp")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--timed-steps", type=int, default=16)
+    p.add_argument("--rate-mbit", type=float, default=100.0)
+    p.add_argument("--sync-every", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--json", action="store_true", help="the figures as JSON")
+    a = p.parse_args(argv)
+    why = two_hosts.cannot_make_namespaces()
+    if why:
+        print(why)
+        return 2
+    c = measure_two_hosts(rate_mbit=a.rate_mbit, steps=a.steps,
+                          sync_every=tuple(a.sync_every), timed_steps=a.timed_steps)
+    print(json.dumps(summary(c)) if a.json else report_two_hosts(c))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -16,6 +16,7 @@ from labkit.comm.collectives import (
     ring_steps,
     simulate,
 )
+from labkit.comm.two_hosts import cannot_make_namespaces, run_on_two_hosts
 from labkit.comm.topology import (
     all_to_all_transfers,
     fat_tree,
@@ -33,3 +34,5 @@ __all__ += ["OPS", "course_example", "ring_all_gather", "ring_all_reduce",
             "time_collective"]
 __all__ += ["all_to_all_transfers", "fat_tree", "ring", "ring_all_reduce_transfers",
             "ring_order", "route", "switch", "torus"]
+# two network stacks on one Linux machine (root): chapter 13, make two-hosts
+__all__ += ["cannot_make_namespaces", "run_on_two_hosts"]
