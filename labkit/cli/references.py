@@ -26,12 +26,22 @@ REFERENCES: tuple[tuple[str, str], ...] = (
     (r"Dai et al\.,? 2024",
      "Dai, D., et al. (2024). DeepSeekMoE: Towards Ultimate Expert Specialization "
      "in Mixture-of-Experts Language Models. arXiv:2401.06066."),
+    (r"Daly,? \(?2006",
+     "Daly, J. T. (2006). A higher order estimate of the optimum checkpoint "
+     "interval for restart dumps. Future Generation Computer Systems 22(3), "
+     "303-312."),
     (r"Dao et al\.,? 2022",
      "Dao, T., Fu, D. Y., Ermon, S., Rudra, A., Ré, C. (2022). FlashAttention: "
      "Fast and Memory-Efficient Exact Attention with IO-Awareness. NeurIPS 2022. "
      "arXiv:2205.14135."),
     (r"DeepSeek-AI,? 2024",
      "DeepSeek-AI (2024). DeepSeek-V3 Technical Report. arXiv:2412.19437."),
+    (r"Douillard et al\.,? 2023",
+     "Douillard, A., et al. (2023). DiLoCo: Distributed Low-Communication "
+     "Training of Language Models. arXiv:2311.08105."),
+    (r"Douillard et al\.,? 2025",
+     "Douillard, A., et al. (2025). Streaming DiLoCo with overlapping "
+     "communication: Towards a Distributed Free Lunch. arXiv:2501.18512."),
     (r"Fang (?:&|and) Zhao,? 2024",
      "Fang, J., Zhao, S. (2024). USP: A Unified Sequence Parallelism Approach for "
      "Long Context Generative AI. arXiv:2405.07719."),
@@ -130,6 +140,9 @@ REFERENCES: tuple[tuple[str, str], ...] = (
     (r"You et al\.,? 2020",
      "You, Y., et al. (2020). Large Batch Optimization for Deep Learning: Training "
      "BERT in 76 minutes. ICLR 2020. arXiv:1904.00962."),
+    (r"Young,? \(?1974",
+     "Young, J. W. (1974). A first order approximation to the optimum "
+     "checkpoint interval. Communications of the ACM 17(9), 530-531."),
 )
 
 # an author-year citation in a chapter's text: "Name et al. 2021", "A & B, 2009",
