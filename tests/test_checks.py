@@ -59,7 +59,10 @@ def test_a_deadlock_is_named_within_seconds(cluster):
 def test_every_check_on_the_ranks_takes_a_timeout_the_short_one_by_default():
     # a student's hang is a deadlock after SHORT_TIMEOUT s, whichever check runs
     # it; timeout= gives a slow machine longer (and these tests' deadlocks 2 s).
-    # The 3D check's default is its own: 8 ranks build their groups first
+    # The 3D check's default is its own: 8 ranks build their groups first; so
+    # are DiLoCo's (fresh ranks train two models: AdamW's first step imports
+    # torch._dynamo) and the resume check's (its ranks are killed and started
+    # again, then train and load from the student's files)
     on_ranks = {name: inspect.signature(getattr(checks, name)).parameters
                 for name in dir(checks) if name.startswith("check_")
                 and next(iter(inspect.signature(getattr(checks, name)).parameters),
@@ -67,7 +70,7 @@ def test_every_check_on_the_ranks_takes_a_timeout_the_short_one_by_default():
     assert len(on_ranks) >= 19, sorted(on_ranks)
     defaults = {name: p["timeout"].default if "timeout" in p else None
                 for name, p in on_ranks.items()}
-    longer = {"check_dp_bytes"}
+    longer = {"check_dp_bytes", "check_diloco_bytes", "check_resume"}
     assert {n for n, d in defaults.items() if d != SHORT_TIMEOUT} == longer, defaults
     assert all(on_ranks[n]["timeout"].kind is inspect.Parameter.KEYWORD_ONLY
                for n in on_ranks), "timeout= is keyword-only everywhere"

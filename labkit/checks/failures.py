@@ -21,6 +21,7 @@ from labkit.checks.common import (
     NOT_WRITTEN,
     NOT_YET,
     PASSED,
+    SHORT_TIMEOUT,
     ExerciseError,
     call_answer,
     finite,
@@ -305,7 +306,7 @@ def _compare_diloco(call: str, got, want, params: int, n: int, h: int, f: int,
                             f"{against[k]}. Hint: {hint}")
 
 
-def check_diloco_bytes(cluster, fn) -> bool:
+def check_diloco_bytes(cluster, fn, *, timeout: float = 30.0) -> bool:
     """`fn(params, ranks, sync_every, fragments)`: (average, peak) bytes one rank
     sends per inner step in DiLoCo's outer all-reduces (fp32, a ring over all
     `ranks`). Two models drawn this run are trained on the cluster's ranks (hosts
@@ -330,7 +331,7 @@ def check_diloco_bytes(cluster, fn) -> bool:
             return NOT_YET
         answers[args] = (call, _pair(call, got))
     res = run_answer(cluster, _diloco_worker, measured, fresh_seed(),
-                     what="DiLoCo run", timeout=30.0)
+                     what="DiLoCo run", timeout=timeout)
     for cfg_k, args in enumerate(ran):
         call, got = answers[args]
         want = _diloco_exact(*args)
@@ -587,12 +588,12 @@ def _hang_worker(rank, world_size, plan):
 _HANG_TIMEOUT = 1.5  # seconds: the plan's collectives take milliseconds
 
 
-def _real_hang(cluster, seed: int):
+def _real_hang(cluster, seed: int, timeout: float = SHORT_TIMEOUT):
     """(records, (rank, gid, seq), what) of a hang run on fresh ranks (a
     record numbers the groups a process made: fresh ranks number them alike)."""
     plan = _hang_plan(seed, cluster.world_size)
     cluster.restart()
-    cluster.run(_hang_groups, plan["members"])
+    cluster.run(_hang_groups, plan["members"], timeout=timeout)
     try:
         cluster.run(_hang_worker, plan, timeout=_HANG_TIMEOUT)
     except CollectiveTimeout as err:
@@ -674,7 +675,7 @@ def _waiting(records: dict, rank: int) -> bool:
                for g, log in (records.get(rank) or {}).items())
 
 
-def check_hung(cluster, fn) -> bool:
+def check_hung(cluster, fn, *, timeout: float = SHORT_TIMEOUT) -> bool:
     """`fn(records)`: (rank, group id, seq) of the first collective a rank did
     not enter, from every rank's flight-recorder record, {rank: {group id:
     GroupLog}}. Five dumps drawn this run (4 to 8 ranks, subgroups, the skipper
@@ -689,7 +690,7 @@ def check_hung(cluster, fn) -> bool:
     real = None
     for k in range(len(cases) + 1):
         if k == len(cases):  # drawn ones first: a stub stops before the hang
-            real = _real_hang(cluster, seed)
+            real = _real_hang(cluster, seed, timeout)
             cases.append(real)
         records, want, what = cases[k]
         call = f"my_hung(records) on {what}"
@@ -989,7 +990,7 @@ def _step_problem(call: str, start, saved: int) -> None:
             "run)")
 
 
-def check_resume(cluster, my_save, my_load) -> bool:
+def check_resume(cluster, my_save, my_load, *, timeout: float = 20.0) -> bool:
     """`my_save(path, model, optimizer, sampler, step)` and `my_load(path, model,
     optimizer, sampler) -> step` (path a folder, the same on every rank).
     A data-parallel run drawn this run (dropout, numpy's and Python's draws in
@@ -1007,7 +1008,8 @@ def check_resume(cluster, my_save, my_load) -> bool:
     for d in (folder, ref, scratch):
         os.mkdir(d)
     try:
-        return _check_resume(cluster, my_save, my_load, case, folder, ref, scratch)
+        return _check_resume(cluster, my_save, my_load, case, folder, ref, scratch,
+                             timeout)
     finally:
         shutil.rmtree(top, ignore_errors=True)
 
@@ -1030,9 +1032,10 @@ def _on_ranks(cluster, worker, *args, what: str, timeout: float = 10.0):
         raise ExerciseError(failure_message(err, what)) from None
 
 
-def _check_resume(cluster, my_save, my_load, case, folder, ref, scratch) -> bool:
+def _check_resume(cluster, my_save, my_load, case, folder, ref, scratch,
+                  timeout: float) -> bool:
     first = _on_ranks(cluster, _resume_first, my_save, my_load, case, scratch,
-                      what="my_save and my_load")
+                      what="my_save and my_load", timeout=timeout)
     if first is None:
         return NOT_YET
     saved = first[0]["saved"]
@@ -1049,13 +1052,14 @@ def _check_resume(cluster, my_save, my_load, case, folder, ref, scratch) -> bool
     whole = [r["params"] for r in first]
     try:
         cluster.run(watched, _resume_killed, my_save, case, folder, ref,
-                    timeout=10.0)
+                    timeout=timeout)
     except RankError as err:
         _killed_as_planned(err, case["victim"])
     else:
         raise RuntimeError("the check's run was not stopped: its rank "
                            f"{case['victim']} was to be killed")
-    again = _on_ranks(cluster, _resume_again, my_load, case, folder, what="my_load")
+    again = _on_ranks(cluster, _resume_again, my_load, case, folder,
+                      what="my_load", timeout=timeout)
     if again is None:
         return NOT_YET
     for rank, r in enumerate(again):
