@@ -79,19 +79,25 @@ def _not_yet(what: str) -> None:
 
 
 def run_answer(cluster, worker, *args, what: str = "answer",
-               timeout: float = SHORT_TIMEOUT):
+               timeout: float = SHORT_TIMEOUT, prepare: bool = True):
     """Run `worker(rank, world_size, *args)`, which calls the student's answer, on
     the ranks; its RankResults once it works, None (after saying so) while the
     answer still raises NotImplementedError. An exception or a deadlock becomes
-    an ExerciseError that says what happened on which rank, at which line."""
+    an ExerciseError that says what happened on which rank, at which line.
+    prepare=False skips the warm-up call (_prepare) for workers that use no
+    ledger and import nothing of their own."""
     labkit_cluster(cluster)
-    modules = {getattr(f, "__module__", None) for f in (worker, *args) if callable(f)}
-    try:
-        cluster.run(_prepare, sorted(modules - {None, "__main__"}))  # normal timeout
-    except ClusterClosed as err:  # e.g. a chapter's last cell closed it
-        raise ExerciseError(f"the check needs running ranks, but {err}") from None
+    if prepare:
+        modules = {getattr(f, "__module__", None) for f in (worker, *args)
+                   if callable(f)}
+        try:
+            cluster.run(_prepare, sorted(modules - {None, "__main__"}))
+        except ClusterClosed as err:  # e.g. a chapter's last cell closed it
+            raise ExerciseError(f"the check needs running ranks, but {err}") from None
     try:
         return cluster.run(watched, worker, *args, timeout=timeout)
+    except ClusterClosed as err:
+        raise ExerciseError(f"the check needs running ranks, but {err}") from None
     except CollectiveTimeout as err:
         raise ExerciseError(deadlock_message(err, cluster.world_size,
                                              timeout)) from None

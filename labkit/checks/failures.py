@@ -28,18 +28,15 @@ from labkit.checks.common import (
     is_number,
     is_whole,
     labkit_cluster,
-    not_yet,
     run_answer,
 )
 from labkit.checks.explain import (
-    deadlock_message,
     failure_message,
-    not_written,
     student_frame,
 )
 from labkit.checks.verify import fresh_seed, own_calls, refuse_own
 from labkit.checks.watch import AnswerRaised, watched
-from labkit.runtime import ClusterClosed, CollectiveTimeout, Entry, GroupLog, RankError
+from labkit.runtime import CollectiveTimeout, Entry, GroupLog, RankError
 
 _HOUR = 3600  # seconds
 
@@ -1014,28 +1011,10 @@ def check_resume(cluster, my_save, my_load, *, timeout: float = 20.0) -> bool:
         shutil.rmtree(top, ignore_errors=True)
 
 
-def _on_ranks(cluster, worker, *args, what: str, timeout: float = 10.0):
-    """run_answer without its warm-up (these workers use no ledger): the results,
-    None after "not written yet" for a stub, ExerciseError for the rest."""
-    try:
-        return cluster.run(watched, worker, *args, timeout=timeout)
-    except ClusterClosed as err:
-        raise ExerciseError(f"the check needs running ranks, but {err}") from None
-    except CollectiveTimeout as err:
-        raise ExerciseError(deadlock_message(err, cluster.world_size,
-                                             timeout)) from None
-    except RankError as err:
-        if not_written(err):
-            not_yet(f"not written yet: replace `raise NotImplementedError(...)` "
-                    f"with your {what}, then run this cell again")
-            return None
-        raise ExerciseError(failure_message(err, what)) from None
-
-
 def _check_resume(cluster, my_save, my_load, case, folder, ref, scratch,
                   timeout: float) -> bool:
-    first = _on_ranks(cluster, _resume_first, my_save, my_load, case, scratch,
-                      what="my_save and my_load", timeout=timeout)
+    first = run_answer(cluster, _resume_first, my_save, my_load, case, scratch,
+                       what="my_save and my_load", timeout=timeout, prepare=False)
     if first is None:
         return NOT_YET
     saved = first[0]["saved"]
@@ -1058,8 +1037,8 @@ def _check_resume(cluster, my_save, my_load, case, folder, ref, scratch,
     else:
         raise RuntimeError("the check's run was not stopped: its rank "
                            f"{case['victim']} was to be killed")
-    again = _on_ranks(cluster, _resume_again, my_load, case, folder,
-                      what="my_load", timeout=timeout)
+    again = run_answer(cluster, _resume_again, my_load, case, folder,
+                       what="my_load", timeout=timeout, prepare=False)
     if again is None:
         return NOT_YET
     for rank, r in enumerate(again):
@@ -1096,8 +1075,8 @@ def _resume_diagnosis(cluster, case, ref, again, first) -> str:
     with its weights, bit for bit; with what the load lost in the first try."""
     variants = ["everything", "sampler", "rng", *_STREAMS, "optimizer", "weights"]
     variants += [f"rank {q}" for q in range(cluster.world_size)]
-    runs = _on_ranks(cluster, _resume_without, case, ref, variants,
-                     what="the check's own resumes", timeout=20.0)
+    runs = run_answer(cluster, _resume_without, case, ref, variants,
+                      what="the check's own resumes", timeout=20.0, prepare=False)
     whole = [r["params"] for r in first]
     for rank, r in enumerate(runs):
         if _first_difference(r["everything"], whole[rank]):
