@@ -495,6 +495,51 @@ def test_a_forkserver_that_handed_over_exits_once_its_ranks_have():
         f"exit {r.returncode}:\n{r.stderr[-3000:]}")
 
 
+# in a fresh interpreter, so that a successor forks: the answer to a start
+# arrives while the kernel looks away (its wait timed out, as under load), and
+# the successor's liveness check then reads it: the start must still return
+_LOOKED_AWAY = """
+import time, labkit
+from labkit.runtime import forkserver
+from labkit.runtime.forkserver import preload_when_idle, shared
+from labkit.runtime.timeouts import Timeouts
+
+with labkit.Cluster(2, timeouts=Timeouts(start=20)) as c:
+    first = shared().pid
+    preload_when_idle("wave")  # asked for after the start: a successor imports it
+    assert shared().wait_preloaded(timeout=90), "no hand-over within 90 s"
+    assert shared().pid != first, "no successor: this test needs one"
+    real, calls = forkserver.select_one, []
+
+    def late(sock, timeout):  # the first wait: nothing read, the answer sent
+        calls.append(timeout)
+        if len(calls) == 1:
+            time.sleep(1.0)
+            return [], [], []
+        return real(sock, timeout)
+
+    forkserver.select_one = late
+    t = time.monotonic()
+    c.restart()
+    took = time.monotonic() - t
+    assert len(calls) >= 1, "spawn did not wait through select_one"
+    assert took < 10, f"the restart took {took:.1f} s: its answer was lost"
+    assert c.run(lambda rank, world_size: rank).values == [0, 1]
+print("ok")
+"""
+
+
+@FORK_ONLY
+def test_a_start_whose_answer_the_liveness_check_read_returns():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _LOOKED_AWAY], capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (
+        f"exit {r.returncode}:\n{r.stderr[-3000:]}")
+
+
 def test_an_optimizer_class_made_here_uses_the_ranks_hooks(cluster):
     """A notebook's Optimizer subclass, once instantiated in the kernel, has a
     `step` PyTorch wrapped with the kernel's hook registry; on the ranks it must

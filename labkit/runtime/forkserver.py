@@ -98,6 +98,9 @@ class Forkserver:
         # how ranks ended, the last KEEP_EXITS (one is asked for soon after)
         self.exits: OrderedDict[int, str] = OrderedDict()
         self.preloaded: tuple[str, ...] = ()
+        # each connection's answer to its last Spawn, whoever read it: spawn()'s
+        # liveness check (alive(), poll()) drains every connection, its own too
+        self._spawned: dict[socket.socket, tuple[int, ...]] = {}
         self.lock = threading.RLock()
         # read once torch is imported there; successors get it again (_take)
         wire.send(mine, Preload(tuple(_WANTED)))
@@ -133,6 +136,7 @@ class Forkserver:
             self._socks.clear()
             self._successor = None
             self._ready.clear()
+            self._spawned.clear()
             self.log.close()
             self.proc.poll()  # reap it, if it has exited
 
@@ -158,6 +162,7 @@ class Forkserver:
         elif isinstance(msg, Spawned):
             for pid in msg.pids:  # a reused pid: not the rank that had it before
                 self.exits.pop(pid, None)
+            self._spawned[sock] = msg.pids
         elif isinstance(msg, ForkserverReady):
             self._ready.add(sock)
             if sock is self._successor:  # it has imported more: it forks from now
@@ -217,17 +222,19 @@ class Forkserver:
                     raise TimeoutError("the rank forkserver did not start in time")
                 self._drain(poll)
             sock = self.sock
+            self._spawned.pop(sock, None)
             wire.send(sock, Spawn(tuple(specs)))
             while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("the rank forkserver did not answer in time")
-                if select_one(sock, min(left, poll))[0]:
-                    msg = self._take(sock)
-                    if isinstance(msg, Spawned):
-                        return msg.pids
-                if not self.alive() or sock not in self._socks:
+                if select_one(sock, min(max(deadline - time.monotonic(), 0),
+                                        poll))[0]:
+                    self._take(sock)
+                alive = self.alive()  # a successor's: drains every connection
+                if sock in self._spawned:  # read just now, or by alive()
+                    return self._spawned.pop(sock)
+                if not alive or sock not in self._socks:
                     raise RuntimeError(self._died())
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the rank forkserver did not answer in time")
 
     def poll(self) -> None:
         """Take in exit reports and hand-overs without blocking."""
