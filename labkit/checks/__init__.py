@@ -60,6 +60,7 @@ from labkit.checks.expert_parallel import (
 
 from labkit.checks.sequence_parallel import check_cp_choice, check_ring_growth
 
+from labkit.checks.mfu import MISCOUNT_NAMES, check_mfu, check_miscount
 from labkit.checks.failures import (
     check_diloco_bytes,
     check_hung,
@@ -93,3 +94,4 @@ __all__ += ["check_diloco_bytes", "check_hung", "check_interval", "check_resume"
 __all__ += ["NotAnswered", "graded", "intact"]
 
 remember()  # the checks' and closed forms' names as labkit's files define them
+__all__ += ["MISCOUNT_NAMES", "check_mfu", "check_miscount"]

@@ -81,6 +81,16 @@ from labkit.theory.context_parallel import (
     ring_traffic,
     ulysses_traffic,
 )
+from labkit.theory import utilisation
+from labkit.theory.utilisation import (
+    CONVENTIONS as MFU_CONVENTIONS,
+    MFU,
+    MISCOUNTS,
+    ImpossibleMFU,
+    Miscount,
+    likely_miscounts,
+    mfu,
+)
 from labkit.theory.failures import (
     DAY,
     HOUR,
@@ -137,3 +147,7 @@ __all__ += ["DAY", "HOUR", "LLAMA3_FAILURES", "FailureSnapshot", "SyncTraffic",
             "ddp_traffic", "diloco_traffic", "expected_interruptions", "failure_cost",
             "failure_snapshot", "job_mtbf", "quantized_payload", "sync_step_time",
             "wasted_fraction", "young_interval"]
+# MFU under named conventions (theory.utilisation; its flops_per_token is
+# utilisation.flops_per_token, the calculator's is theory.flops_per_token)
+__all__ += ["MFU", "MFU_CONVENTIONS", "MISCOUNTS", "ImpossibleMFU", "Miscount",
+            "likely_miscounts", "mfu", "utilisation"]
