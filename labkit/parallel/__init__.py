@@ -147,3 +147,15 @@ __all__ += ["ResumableSampler", "Resumed", "load_train_state", "rng_state",
 # silent data corruption: replicas compared by digest (chapter 13)
 __all__ += ["ReplicaMismatch", "check_replicas", "first_difference",
             "replica_digest"]
+# the logical-scale twin (chapter 14): imported on first use, as it pulls in
+# FSDP2's replicate and the fake process group (a second of imports)
+_SCALE_TWIN = ("Collective", "Row", "TwinReport", "compare", "twin")
+__all__ += list(_SCALE_TWIN)
+
+
+def __getattr__(name):
+    if name in _SCALE_TWIN:
+        from labkit.parallel import scale_twin
+
+        return getattr(scale_twin, name)
+    raise AttributeError(f"module 'labkit.parallel' has no attribute {name!r}")

@@ -31,6 +31,7 @@ from labkit.theory.layout import (
     PUBLISHED_RUNS,
     WASTEFUL_MFU,
     ClusterSpec,
+    Estimate,
     Layout,
     choose,
     estimate,
@@ -43,6 +44,9 @@ from labkit.theory.layout import (
     params_per_device,
     ring_latency,
     scale,
+    busiest_stage_params,
+    stage_layer_counts,
+    stage_params,
 )
 from labkit.theory.models import MODELS, PUBLISHED_PARAMS, ModelConfig, param_count
 from labkit.theory.pipeline import (
@@ -135,7 +139,8 @@ __all__ += ["LayerParams", "LayerTraffic", "activation_terms", "layer_params",
 __all__ += ["A100_SELENE", "H100_NODE", "LLAMA3_CLUSTER", "PUBLISHED_RUNS",
             "WASTEFUL_MFU", "ClusterSpec", "Layout", "choose", "estimate", "explain",
             "find", "flops_per_token", "gemm_time", "group_nodes", "layer_gemms",
-            "params_per_device", "ring_latency", "scale"]
+            "params_per_device", "ring_latency", "scale", "Estimate",
+            "busiest_stage_params", "stage_layer_counts", "stage_params"]
 # for chapters and the layers above (tests/test_public_faces.py)
 __all__ += ["RECOMPUTE", "SCORE_TERMS", "TERM_GROUP", "check_counts", "hardware"]
 __all__ += ["CP_METHODS", "ContextTraffic", "allgather_traffic",

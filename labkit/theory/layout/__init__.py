@@ -10,6 +10,7 @@ published, ranking, runs, scaling.
 from labkit.theory.layout.costs import (
     activations_held,
     bubble_of_ideal,
+    busiest_stage_params,
     compute_slowdown,
     estimate,
     Estimate,
@@ -18,6 +19,8 @@ from labkit.theory.layout.costs import (
     layer_gemms,
     params_per_device,
     ring_latency,
+    stage_layer_counts,
+    stage_params,
 )
 from labkit.theory.layout.cluster import (
     A100_SELENE,
@@ -39,5 +42,5 @@ __all__ = [
     "activations_held", "bubble_of_ideal", "check_layout", "choose",
     "compute_slowdown", "estimate", "explain", "find", "flops_per_token",
     "gemm_time", "group_nodes", "layer_gemms", "params_per_device", "ring_latency",
-    "scale",
+    "scale", "busiest_stage_params", "stage_layer_counts", "stage_params",
 ]

@@ -58,6 +58,59 @@ def params_per_device(model: ModelConfig, layout: Layout) -> tuple[float, float]
     return dense, experts / (layout.etp * layout.pp * layout.ep)
 
 
+def stage_layer_counts(model: ModelConfig, layout: Layout) -> list[int]:
+    """Layers on each pipeline stage: ceil(layers / PP) each (the last stage
+    what is left), except where the embedding and the head can each take a
+    layer's place (layers + 2 divisible by PP): then the first and last stage
+    hold one fewer, Llama 3's split (Llama Team 2024, sec. 3.3.2: 126 layers
+    over 16 stages, 7 + 8 x 14 + 7)."""
+    p, n = layout.pp, model.layers
+    if p > 1 and (n + 2) % p == 0:
+        inner = (n + 2) // p
+        return [inner - 1] + [inner] * (p - 2) + [inner - 1]
+    each = -(-n // p)
+    counts = [min(each, n - k * each) for k in range(p)]
+    if min(counts) < 1:
+        raise ValueError(f"{n} layers leave a stage of PP {p} empty")
+    return counts
+
+
+def stage_params(model: ModelConfig, layout: Layout, stage: int) -> float:
+    """Dense parameters one device of pipeline stage `stage` holds before ZeRO:
+    its layers' share (the dense part of the average layer) over TP, the
+    embedding (and a learned position table) on the first stage, the head and
+    the final norm on the last (a tied model's last stage keeps its own copy of
+    the embedding, as Megatron-LM does). Norms and biases split over TP here,
+    where TP keeps row-parallel biases and norms whole: labkit.parallel.scale_twin
+    builds the stages and holds this to the element but for those."""
+    total, experts = _param_count(model), expert_params(model)
+    if layout.pp == 1:
+        return (total - experts) / layout.tp
+    h = model.hidden
+    embed = model.vocab * h + model.learned_positions * h
+    head = model.vocab * h
+    final_norm = h * (2 if model.norm == "layernorm" else 1)
+    outside = embed + final_norm + (0 if model.tied_embeddings else head)
+    layer = (total - experts - outside) / model.layers
+    held = stage_layer_counts(model, layout)[stage] * layer
+    held += embed if stage == 0 else 0
+    held += head + final_norm if stage == layout.pp - 1 else 0
+    return held / layout.tp
+
+
+def busiest_stage_params(model: ModelConfig, layout: Layout) -> float:
+    """stage_params of the stage that holds the most: what memory() and
+    dp_traffic() charge a device (P / (TP x PP), params_per_device, is the
+    average, which the end stages' embedding and head exceed). DualPipe: the
+    average, which memory() doubles: each device holds two mirrored stages, the
+    first's and the last's together (DeepSeek-AI 2024, sec. 3.4: the embedding
+    and the head on one PP rank), a split the report does not give."""
+    if layout.dualpipe:
+        return params_per_device(model, layout)[0]
+    ends = {0, layout.pp - 1, min(1, layout.pp - 1)}
+    return max(stage_params(model, layout, k) for k in ends)
+
+
 def flops_per_token(model: ModelConfig, seq: int) -> float:
     """Training FLOPs per token: 6 per active parameter (forward 2, backward 4)
     plus the attention scores, 12·layers·hidden·seq (Narayanan et al. 2021, eq. 3,
@@ -199,7 +252,8 @@ def memory(model: ModelConfig, layout: Layout, shape: StepShape,
     when TP > 1 unless the layout turns it off, and FlashAttention, so no s x s
     scores; RMSNorm models (Llama 3, DeepSeek-V3) train without dropout, so no
     dropout masks; MLA and MoE change the constants, which this ignores)."""
-    dense, experts = params_per_device(model, layout)
+    dense = busiest_stage_params(model, layout)
+    experts = params_per_device(model, layout)[1]
     replicas = layout.dp * layout.cp
     dense_states = zero_breakdown(dense, replicas, layout.zero,
                                   param_bytes=dtype_bytes, grad_bytes=dtype_bytes)
@@ -260,8 +314,10 @@ def dp_traffic(model: ModelConfig, layout: Layout, shape: StepShape,
                dtype_bytes: int = 2) -> dict[str, float]:
     """Data-parallel bytes per step by phase (dp_phases_of): the dense
     parameters' over DP x CP ranks plus the routed experts' over their replicas
-    (DP x CP / EP; folded, TP x DP x CP / (expert TP x EP))."""
-    dense, experts = params_per_device(model, layout)
+    (DP x CP / EP; folded, TP x DP x CP / (expert TP x EP)); the dense ones
+    of the busiest stage (busiest_stage_params)."""
+    dense = busiest_stage_params(model, layout)
+    experts = params_per_device(model, layout)[1]
     replicas = layout.dp * layout.cp
     phases = dict.fromkeys(DP_PHASES, 0.0)
     for psi, ranks in ((dense, replicas), (experts, layout.expert_replicas)):
