@@ -92,6 +92,7 @@ __all__ += ["check_diloco_bytes", "check_hung", "check_interval", "check_resume"
 # an nbgrader assignment's first code cell and its locked test cells
 # (labkit/cli/assignments.py)
 __all__ += ["NotAnswered", "graded", "intact"]
-
-remember()  # the checks' and closed forms' names as labkit's files define them
 __all__ += ["MISCOUNT_NAMES", "check_mfu", "check_miscount"]
+
+# last: the checks' and closed forms' names as labkit's files define them
+remember()

@@ -23,6 +23,9 @@ REFERENCES: tuple[tuple[str, str], ...] = (
     (r"Chen et al\.,? 2016",
      "Chen, T., Xu, B., Zhang, C., Guestrin, C. (2016). Training Deep Nets with "
      "Sublinear Memory Cost. arXiv:1604.06174."),
+    (r"Chowdhery et al\.,? 2022",
+     "Chowdhery, A., et al. (2022). PaLM: Scaling Language Modeling with "
+     "Pathways. JMLR 24 (2023). arXiv:2204.02311."),
     (r"Dai et al\.,? 2024",
      "Dai, D., et al. (2024). DeepSeekMoE: Towards Ultimate Expert Specialization "
      "in Mixture-of-Experts Language Models. arXiv:2401.06066."),
