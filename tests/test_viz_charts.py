@@ -349,3 +349,20 @@ def test_prose_wraps_at_words_as_text_and_as_html():
     html = p._repr_html_()
     assert html.count("<p ") == 1 and html.count("<li>") == 2
     assert "&lt;b&gt; escaped" in html  # text, never markup
+
+
+def test_flops_by_length_draws_each_count_over_the_baseline():
+    from labkit.viz.theory_charts import flops_by_length
+
+    seqs = [2048, 8192, 131072]
+    counts = {"6N": [6.0, 6.0, 6.0], "6N + attention": [7.0, 10.0, 70.0]}
+    fig = flops_by_length(seqs, counts, baseline="6N")
+    ax = fig.axes[0]
+    lines = {line.get_gid(): line for line in ax.get_lines()}
+    assert set(lines) == {"line:6N", "line:6N + attention"}, set(lines)
+    got = list(lines["line:6N + attention"].get_ydata())
+    want = [7 / 6, 10 / 6, 70 / 6]
+    assert got == want, f"ratios drawn {got}; the counts over 6N's: {want}"
+    assert list(lines["line:6N"].get_ydata()) == [1.0] * 3, "the baseline is 1"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["2K", "8K", "128K"]
+    assert "6N's" in ax.get_ylabel(), ax.get_ylabel()

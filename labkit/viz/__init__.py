@@ -40,7 +40,12 @@ from labkit.viz.pipeline_charts import (
 from labkit.viz.sp_charts import activation_bars, ring_steps_chart
 from labkit.viz.style import CATEGORY_COLORS, OP_COLORS, PAGE_WIDTH_IN, LabFigure
 from labkit.viz.tables import Comparison, Prose, Row, measured_vs_expected, prose
-from labkit.viz.theory_charts import activation_chart, placement_bars, zero_bars
+from labkit.viz.theory_charts import (
+    activation_chart,
+    flops_by_length,
+    placement_bars,
+    zero_bars,
+)
 from labkit.viz.widgets import (
     LIVE_CLASS,
     PlacementExplorer,
@@ -73,3 +78,4 @@ __all__ += ["bytes_per_step", "loss_curves", "waste_curve"]
 # what the built pages are laid out for: the column a chart fits, the controls
 # that work with no kernel (labkit.cli.page_assets)
 __all__ += ["LIVE_CLASS", "PAGE_WIDTH_IN"]
+__all__ += ["flops_by_length"]  # FLOPs per token by MFU convention (chapter 14)

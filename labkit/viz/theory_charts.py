@@ -1,5 +1,5 @@
 """Charts of the closed forms: ZeRO's memory per device, activations against
-sequence length, a placement's cost."""
+sequence length, a placement's cost, FLOPs per token by MFU convention."""
 
 from __future__ import annotations
 
@@ -117,4 +117,28 @@ def placement_bars(cost, *, ax=None, unit: float = 1e9, unit_name: str = "GB",
     ax.set_title(title, fontsize=10)
     if ax.containers:
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+def flops_by_length(seqs, counts: dict, *, baseline: str | None = None, ax=None,
+                    title: str = "Training FLOPs per token, by whose count"
+                    ) -> Figure:
+    """A line per convention against sequence length (log scale): counts maps
+    a convention's name to its FLOPs per token at each of `seqs`; drawn over
+    `baseline`'s where given (the lines are then ratios). Each line's gid is
+    "line:<name>"."""
+    fig, ax = figure_and_axes(ax, (6.5, 3.4))
+    base = counts[baseline] if baseline is not None else [1.0] * len(seqs)
+    for name, flops in counts.items():
+        ax.plot(seqs, [f / b for f, b in zip(flops, base)], marker="o", lw=1.6,
+                label=name, gid=f"line:{name}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(seqs), [f"{s // 1024}K" if s >= 1024 else str(s)
+                               for s in seqs])
+    ax.minorticks_off()
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel(f"FLOPs per token / {baseline}'s" if baseline
+                  else "FLOPs per token")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
