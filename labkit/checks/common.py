@@ -165,6 +165,35 @@ def call_answer(fn, *args, what: str = "answer"):
 # ------------------------------------------------------------------ comparing
 
 
+def close_to(got: float, want, rel: float = 1e-9) -> bool:
+    """got (a float64 formula) within `rel` of want (a float or an exact
+    Fraction): the same operations in another order differ in the 16th digit;
+    a slip by whole factors."""
+    want = float(want)
+    return abs(got - want) <= rel * abs(want) if want else abs(got) <= 1e-300
+
+
+def slips_named(got: float, want, slips, otherwise):
+    """The hint of every slip (value, why) that `got` equals and the right answer
+    does not; two slips can give one number on a drawn case, and then both are
+    named ("; or: "). `otherwise` when none is."""
+    named = list(dict.fromkeys(why for v, why in slips
+                               if not close_to(float(v), want)
+                               and close_to(got, v)))
+    return "; or: ".join(named) if named else otherwise
+
+
+def as_number(what: str, got) -> float:
+    """The student's number as a float; ExerciseError for a non-number, NaN or
+    inf."""
+    if not is_number(got):
+        raise ExerciseError(f"{what} returned {got!r} ({type(got).__name__}); "
+                            "return a number")
+    finite(what, got)
+    return float(got)
+
+
+
 def number_text(x: float, what: str) -> str:
     """352,321,536 B (336.0 MiB) for bytes, 352,321,536 for a whole number, else
     six significant digits: never 3.52322e+08 for a count a student typed (bytes

@@ -23,60 +23,22 @@ from labkit.checks.common import (
     PASSED,
     SHORT_TIMEOUT,
     ExerciseError,
-    call_answer,
-    finite,
-    is_number,
+    as_number,
+    close_to,
     is_whole,
     labkit_cluster,
     run_answer,
+    slips_named,
 )
 from labkit.checks.explain import (
     failure_message,
     student_frame,
 )
-from labkit.checks.verify import fresh_seed, own_calls, refuse_own
+from labkit.checks.verify import call_refusing, fresh_seed, own_calls, refuse_own
 from labkit.checks.watch import AnswerRaised, watched
 from labkit.runtime import CollectiveTimeout, Entry, GroupLog, RankError
 
 _HOUR = 3600  # seconds
-
-
-def _close(got: float, want, rel: float = 1e-9) -> bool:
-    """got within `rel` of want: the same formula in another order differs in
-    the 16th digit; a slip by whole factors."""
-    want = float(want)
-    return abs(got - want) <= rel * abs(want) if want else abs(got) <= 1e-300
-
-
-def _slip_named(got: float, want, slips, otherwise: str) -> str:
-    """The hint of every slip (value, why) that `got` equals and the right answer
-    does not (two slips can give one number: all are named); else `otherwise`."""
-    named = list(dict.fromkeys(why for v, why in slips
-                               if not _close(float(v), want) and _close(got, v)))
-    return "; or: ".join(named) if named else otherwise
-
-
-def _answer(call: str, fn, args: tuple, what: str, targets: tuple, own: str):
-    """fn(*args) as call_answer gives it, labkit's `targets` refused; a refused
-    call is said even when the answer then raised (labkit's function needing
-    ranks, say)."""
-    with own_calls(*targets) as seen:
-        try:
-            got = call_answer(fn, *args, what=what)
-        except ExerciseError:
-            refuse_own(call, seen, own)
-            raise
-    refuse_own(call, seen, own)
-    return got
-
-
-def _number(what: str, got) -> float:
-    """The student's number as a float; ExerciseError for a non-number, NaN, inf."""
-    if not is_number(got):
-        raise ExerciseError(f"{what} returned {got!r} ({type(got).__name__}); "
-                            "return a number")
-    finite(what, got)
-    return float(got)
 
 
 # ------------------------------------------- exercise 1: the checkpoint interval
@@ -145,16 +107,17 @@ def check_interval(fn) -> bool:
     cases = _interval_cases(fresh_seed())
     for c, n, m in cases:
         call = f"my_interval({c:g}, {n}, {m!r})"
-        got = _answer(call, fn, (c, n, m), "my_interval", _INTERVAL_OWN,
-                      "closed forms of failures (theory.young_interval, job_mtbf), "
-                      "or this check's")
+        got = call_refusing(
+            call, fn, (c, n, m), "my_interval", _INTERVAL_OWN,
+            "closed forms of failures (theory.young_interval, job_mtbf), "
+            "or this check's")
         if got is NOT_WRITTEN:
             return NOT_YET
-        got = _number(call, got)
+        got = as_number(call, got)
         want = _young(c, n, m)
-        if _close(got, want):
+        if close_to(got, want):
             continue
-        hint = _slip_named(got, want, _interval_slips(c, n, m),
+        hint = slips_named(got, want, _interval_slips(c, n, m),
                            "τ = sqrt(2·C·M) in seconds, C the save's seconds, M "
                            "the job's MTBF: one GPU's (hours × 3600) over the GPUs")
         raise ExerciseError(f"{call} = {got:.6g} s, expected {want:.6g} s. "
@@ -286,16 +249,16 @@ def _pair(call: str, got) -> tuple[float, float]:
     if not isinstance(got, (tuple, list)) or len(got) != 2:
         raise ExerciseError(f"{call} returned {got!r}; return a pair (average, "
                             "peak) of bytes")
-    return _number(f"{call}'s average", got[0]), _number(f"{call}'s peak", got[1])
+    return as_number(f"{call}'s average", got[0]), as_number(f"{call}'s peak", got[1])
 
 
 def _compare_diloco(call: str, got, want, params: int, n: int, h: int, f: int,
                     against: tuple[str, str]) -> None:
     slips = _diloco_slips(params, n, h, f)
     for k, name in enumerate(("average", "peak")):
-        if _close(got[k], want[k]):
+        if close_to(got[k], want[k]):
             continue
-        hint = _slip_named(got[k], want[k], slips[name], (
+        hint = slips_named(got[k], want[k], slips[name], (
             "the outer step is one ring all-reduce of the fp32 model, "
             "2(N-1)/N x 4 bytes a parameter: once every H inner steps in all "
             "(the average), one fragment of 1/F in the busiest step (the peak)"))
@@ -321,9 +284,9 @@ def check_diloco_bytes(cluster, fn, *, timeout: float = 30.0) -> bool:
     answers = {}
     for args in ran + computed:  # first the answers: a stub stops here
         call = "my_diloco_bytes({}, {}, {}, {})".format(*args)
-        got = _answer(call, fn, args, "my_diloco_bytes", _DILOCO_OWN,
-                      "DiLoCo prices, wrapper or ledger (measuring, not "
-                      "predicting), or this check's")
+        got = call_refusing(call, fn, args, "my_diloco_bytes", _DILOCO_OWN,
+                            "DiLoCo prices, wrapper or ledger (measuring, not "
+                            "predicting), or this check's")
         if got is NOT_WRITTEN:
             return NOT_YET
         answers[args] = (call, _pair(call, got))
@@ -335,8 +298,8 @@ def check_diloco_bytes(cluster, fn, *, timeout: float = 30.0) -> bool:
         for rank, runs in enumerate(res):
             params, steps = runs[cfg_k]
             avg, peak = sum(steps) / len(steps), max(steps)
-            if params != args[0] or not (_close(avg, want[0])
-                                         and _close(peak, want[1])):
+            if params != args[0] or not (close_to(avg, want[0])
+                                         and close_to(peak, want[1])):
                 raise RuntimeError(  # labkit's wrapper against this check's count
                     f"rank {rank}: DiLoCo over {params:,} parameters sent "
                     f"{steps} B a step; the check counts {args[0]:,} parameters "
@@ -691,8 +654,9 @@ def check_hung(cluster, fn, *, timeout: float = SHORT_TIMEOUT) -> bool:
             cases.append(real)
         records, want, what = cases[k]
         call = f"my_hung(records) on {what}"
-        got = _answer(call, fn, (_copy_records(records),), "my_hung", _HUNG_OWN,
-                      "comparison of the records (find_mismatch), or this check's")
+        got = call_refusing(
+            call, fn, (_copy_records(records),), "my_hung", _HUNG_OWN,
+            "comparison of the records (find_mismatch), or this check's")
         if got is NOT_WRITTEN:
             return NOT_YET
         got = _as_answer(call, got)

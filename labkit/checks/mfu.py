@@ -18,12 +18,12 @@ from labkit.checks.common import (
     NOT_YET,
     PASSED,
     ExerciseError,
-    call_answer,
-    finite,
-    is_number,
+    as_number,
+    close_to,
     not_yet,
+    slips_named,
 )
-from labkit.checks.verify import fresh_seed, own_calls, refuse_own
+from labkit.checks.verify import call_refusing, fresh_seed
 from labkit.theory.utilisation import likely_miscounts
 
 # PaLM (Chowdhery et al. 2022, arXiv 2204.02311) app. B: 238.3K tokens/s on 6144
@@ -36,35 +36,17 @@ _MFU_OWN = ("labkit.theory.utilisation", "labkit.theory.layout.costs:flops_per_t
             "labkit.checks.mfu:_palm_flops", "labkit.checks.mfu:_diagnose")
 
 
-def _close(got: float, want: float, rel: float = 1e-9) -> bool:
-    """The same count in another order differs in the 16th digit; a slip by a
-    sizeable fraction."""
-    return abs(got - want) <= rel * abs(want)
-
-
 def _answer(call: str, fn, args: tuple, what: str):
-    """fn(*args) as call_answer gives it, labkit's MFU accountant and this
-    check's references refused (said even when the answer then raised)."""
-    with own_calls(*_MFU_OWN) as seen:
-        try:
-            got = call_answer(fn, *args, what=what)
-        except ExerciseError:
-            refuse_own(call, seen, "MFU accountant, or this check's")
-            raise
-    refuse_own(call, seen, "MFU accountant, or this check's")
-    if got is None:  # a stub that returns None: not written yet, as one raising
+    """fn(*args) as call_refusing gives it, labkit's MFU accountant and this
+    check's references refused; a stub that returns None is not written yet,
+    as one that raises."""
+    got = call_refusing(call, fn, args, what, _MFU_OWN,
+                        "MFU accountant, or this check's")
+    if got is None:
         not_yet(f"not written yet: {what} returns None; write it, then run this "
                 "cell again")
         return NOT_WRITTEN
     return got
-
-
-def _number(what: str, got) -> float:
-    if not is_number(got):
-        raise ExerciseError(f"{what} returned {got!r} ({type(got).__name__}); "
-                            "return a number")
-    finite(what, got)
-    return float(got)
 
 
 def _palm_flops(params: float, layers: int, heads: int, head_dim: int,
@@ -129,12 +111,6 @@ def _mfu_slips(rate, peak, n, layers, heads, head_dim, seq) -> list:
     ]
 
 
-def _slip_named(got: float, want: float, slips, otherwise: str) -> str:
-    named = list(dict.fromkeys(why for v, why in slips
-                               if not _close(v, want) and _close(got, v)))
-    return "; or: ".join(named) if named else otherwise
-
-
 def check_mfu(fn) -> bool:
     """`fn(tokens_per_second, peak_flops, params, layers, heads, head_dim,
     seq_len)`: one GPU's MFU, a fraction, under PaLM's convention (6N +
@@ -146,12 +122,12 @@ def check_mfu(fn) -> bool:
         got = _answer(call, fn, case, "my_mfu")
         if got is NOT_WRITTEN:
             return NOT_YET
-        got = _number(call, got)
+        got = as_number(call, got)
         rate, peak, *shape = case
         want = rate * sum(_palm_flops(*shape)) / peak
-        if _close(got, want):
+        if close_to(got, want):
             continue
-        hint = _slip_named(got, want, _mfu_slips(*case), (
+        hint = slips_named(got, want, _mfu_slips(*case), (
             "MFU = tokens/s x (6N + 12·L·H·Q·T) / peak FLOP/s, one GPU's"))
         raise ExerciseError(f"{call} = {got:.6g}, expected {want:.6g}. Hint: {hint}")
     rate, peak, *shape = PALM_540B
@@ -232,11 +208,11 @@ def _diagnose(report: dict) -> tuple[str, float]:
                             r["seq_len"]))
     ratio = r["flops_per_token"] / flops
     right = r["tokens_per_second"] * flops / r["peak_flops"]
-    if _close(ratio, r["seq_len"]):
+    if close_to(ratio, r["seq_len"]):
         return "per_sequence", right
-    if not _close(ratio, 1.0):
+    if not close_to(ratio, 1.0):
         return "attention_twice", right
-    if _close(r["reported_mfu"], 100 * right):
+    if close_to(r["reported_mfu"], 100 * right):
         return "percent", right
     low, high = TYPICAL
     if low <= right / r["gpus"] <= high:
@@ -252,7 +228,7 @@ def _as_pair(call: str, got) -> tuple[str, float]:
     if name not in MISCOUNT_NAMES:
         raise ExerciseError(f"{call} named {name!r}; the name is one of "
                             f"{MISCOUNT_NAMES}")
-    return name, _number(f"{call}'s corrected MFU", value)
+    return name, as_number(f"{call}'s corrected MFU", value)
 
 
 def _miscount_hint(report: dict, name: str, got: tuple[str, float],
@@ -266,9 +242,9 @@ def _miscount_hint(report: dict, name: str, got: tuple[str, float],
                 "from its shape first, then its reported MFU with the one its "
                 "inputs give")
     said = []  # a percent report's own value is 100 x the right one: both
-    if _close(got[1], 100 * want):
+    if close_to(got[1], 100 * want):
         said.append("return the corrected MFU as a fraction, not a percentage")
-    if _close(got[1], report["reported_mfu"]):
+    if close_to(got[1], report["reported_mfu"]):
         said.append("that is the reported MFU; return it corrected")
     if said:
         return "; ".join(said)
@@ -287,7 +263,7 @@ def check_miscount(fn) -> bool:
             head_dim=report["head_dim"], seq_len=report["seq_len"],
             gpus=report["gpus"])}
         mine = _diagnose(report)
-        if mine[0] != name or not _close(mine[1], true) or not _close(
+        if mine[0] != name or not close_to(mine[1], true) or not close_to(
                 found.get(name) or 0.0, true):
             raise RuntimeError(  # this check's reading against labkit's theory
                 f"the check's report {report} seeds {name} ({true!r}); its own "
@@ -297,7 +273,7 @@ def check_miscount(fn) -> bool:
         if got is NOT_WRITTEN:
             return NOT_YET
         got = _as_pair(call, got)
-        if got[0] == name and _close(got[1], true):
+        if got[0] == name and close_to(got[1], true):
             continue
         hint = _miscount_hint(report, name, got, true)
         raise ExerciseError(f"{call}: you said ({got[0]!r}, {got[1]:.6g}), "

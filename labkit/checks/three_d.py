@@ -21,10 +21,13 @@ from labkit.checks.common import (
     NOT_YET,
     PASSED,
     ExerciseError,
+    as_number,
     call_answer,
+    close_to,
     finite,
     is_number,
     run_answer,
+    slips_named,
 )
 from labkit.checks.verify import fresh_seed, own_calls, refuse_own
 
@@ -43,33 +46,6 @@ def _as_ranks(x):
 
 def _plural(k: int, word: str) -> str:
     return f"{k} {word}" + ("" if k == 1 else "es" if word.endswith("h") else "s")
-
-
-def _close(got: float, want: Fraction | float, rel: float = 1e-9) -> bool:
-    """got (a float64 formula) within `rel` of the exact want: another order of
-    the same operations differs in the 16th digit; a slip by whole factors."""
-    want = float(want)
-    return abs(got - want) <= rel * abs(want) if want else abs(got) <= 1e-300
-
-
-def _slip_named(got: float, want, slips, otherwise: str | None) -> str | None:
-    """The hint of every slip (value, why) that `got` equals and the right
-    answer does not; two slips can give the same number on a drawn model (the
-    head's bias and a flipped pipeline, when V = s*h - 2h), and then both are
-    named. `otherwise` when none is."""
-    named = list(dict.fromkeys(why for v, why in slips
-                               if not _close(float(v), want) and _close(got, v)))
-    return "; or: ".join(named) if named else otherwise
-
-
-def _number(what: str, got):
-    """The student's number as a float; ExerciseError for a non-number, NaN or
-    inf."""
-    if not is_number(got):
-        raise ExerciseError(f"{what} returned {got!r} ({type(got).__name__}); "
-                            "return a number")
-    finite(what, got)
-    return float(got)
 
 
 # ------------------------------------------------- exercise 1: a rank's groups
@@ -371,14 +347,14 @@ def check_dp_bytes(cluster, fn, *, timeout: float = _TIMEOUT) -> bool:
                        "predicting), or this check's count")
             if got is NOT_WRITTEN:
                 return NOT_YET
-            answers[call] = _number(call, got)
+            answers[call] = as_number(call, got)
     seed = fresh_seed()
     for (tp, pp, dp), cfg, m, rows in measured:
         res = run_answer(cluster, _dp_worker, (tp, pp, dp), cfg, m, rows, seed,
                          what="3D step", timeout=timeout)
         for rank, (stage, sent, params) in enumerate(res):
             want = _dp_bytes(_stage_params(stage, tp, pp, cfg), dp)
-            if params != _stage_params(stage, tp, pp, cfg) or not _close(sent, want):
+            if params != _stage_params(stage, tp, pp, cfg) or not close_to(sent, want):
                 raise RuntimeError(  # labkit's own count against its ThreeD
                     f"rank {rank}: ThreeD holds {params:,} parameters and sent "
                     f"{sent:,.0f} B in dp; the check counts "
@@ -404,10 +380,10 @@ def check_dp_bytes(cluster, fn, *, timeout: float = _TIMEOUT) -> bool:
 
 def _compare_dp(call: str, got: float, want, stage: int, grid, cfg: dict,
                 against: str) -> None:
-    if _close(got, want):
+    if close_to(got, want):
         return
     tp, pp, dp = grid
-    hint = _slip_named(got, want, _dp_slips(stage, tp, pp, dp, cfg), None)
+    hint = slips_named(got, want, _dp_slips(stage, tp, pp, dp, cfg), None)
     if hint is None:
         params = _stage_params(stage, tp, pp, cfg)
         implied = (f"; at 4 B x 2(dp-1)/dp that is {got / (8 * (dp - 1) / dp):,.1f} "
@@ -525,11 +501,11 @@ def check_ring_seconds(fn) -> bool:
         refuse_own(call, own, "α-β price of a ring (or this check's)")
         if got is NOT_WRITTEN:
             return NOT_YET
-        got = _number(call, got)
+        got = as_number(call, got)
         want = _ring_exact(op, size, n, nodes, spec)
-        if _close(got, want):
+        if close_to(got, want):
             continue
-        hint = _slip_named(
+        hint = slips_named(
             got, want, _ring_slips(op, size, n, nodes, spec),
             "steps from theory.latency_steps(op, n), those between nodes "
             "from theory.latency_steps(op, nodes), bytes each rank sends "
@@ -680,14 +656,14 @@ def check_traffic_ratios(fn) -> bool:
                                     "the new layout's bytes over the old's")
             finite(f"{call}[{d!r}]", v)
             v = float(v)
-            if _close(v, want[d]):
+            if close_to(v, want[d]):
                 continue
             slips = [(Fraction(1), "a GPU's tokens per step, microbatches x b x "
                       "seq / cp = (tokens per step) / (dp x cp), changed with "
                       "this layout")] if d in ("tp", "pp") else []
             slips += [(_ratios(layout, **kw)[d], why)
                       for kw, why in _RATIO_SLIPS.get(d, ())]
-            hint = _slip_named(v, want[d], slips, _RATIO_HINTS[d])
+            hint = slips_named(v, want[d], slips, _RATIO_HINTS[d])
             raise ExerciseError(
                 f"{call}: {d} is {v:.6g} x the published layout's bytes per GPU "
                 f"per step, but section 7's pricing gives {float(want[d]):.6g} x. "

@@ -14,7 +14,7 @@ import importlib
 import secrets
 import sys
 
-from labkit.checks.common import ExerciseError
+from labkit.checks.common import ExerciseError, call_answer
 
 
 def fresh_seed() -> int:
@@ -270,3 +270,18 @@ def sizes_agree(token: str):
         yield
     finally:
         dist.all_to_all_single, dist.all_to_all = real_single, real_list
+
+
+def call_refusing(call: str, fn, args: tuple, what: str, targets: tuple,
+                  own: str):
+    """fn(*args) as call_answer gives it (NOT_WRITTEN for a stub), labkit's
+    `targets` refused (refuse_own, naming `own`); a refused call is said even
+    when the answer then raised (labkit's function needing ranks, say)."""
+    with own_calls(*targets) as seen:
+        try:
+            got = call_answer(fn, *args, what=what)
+        except ExerciseError:
+            refuse_own(call, seen, own)
+            raise
+    refuse_own(call, seen, own)
+    return got
