@@ -3,6 +3,8 @@ student can read, naming the argument, what it must be and what it got."""
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 
 
@@ -25,3 +27,15 @@ def whole(value, name: str, low: int = 1, high: int | None = None) -> int:
                and abs(n) > 10 ** 30 else repr(value))
         raise ArgumentError(f"{name} must be an integer {span}, got {got}")
     return n
+
+
+def real(value, name: str, *, zero: bool = False) -> float:
+    """`value` as a float if it is a finite real number > 0 (>= 0 with
+    zero=True); a bool, NaN or inf is not one: else an ArgumentError naming
+    `name`."""
+    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real)
+          and math.isfinite(value) and (value > 0 or (zero and value == 0)))
+    if not ok:
+        span = ">= 0" if zero else "> 0"
+        raise ArgumentError(f"{name} must be a finite number {span}, got {value!r}")
+    return float(value)

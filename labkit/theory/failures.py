@@ -6,26 +6,15 @@ labkit.theory's own modules only. Times in seconds, sizes in bytes."""
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
-from labkit.arguments import ArgumentError, whole
+from labkit.arguments import ArgumentError, real, whole
 from labkit.theory._validate import check_counts
 from labkit.theory.collective_cost import ring_bytes_per_rank
 
 HOUR = 3600.0
 DAY = 24 * HOUR
 
-
-def _positive(value, name: str, *, zero: bool = False) -> float:
-    """`value` as a float if it is a finite real > 0 (>= 0 with zero=True); a bool,
-    NaN or inf is not one."""
-    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real)
-          and math.isfinite(value) and (value > 0 or (zero and value == 0)))
-    if not ok:
-        span = ">= 0" if zero else "> 0"
-        raise ArgumentError(f"{name} must be a finite number {span}, got {value!r}")
-    return float(value)
 
 
 # -- failures at scale ------------------------------------------------------------
@@ -34,7 +23,7 @@ def _positive(value, name: str, *, zero: bool = False) -> float:
 def job_mtbf(gpu_mtbf: float, gpus: int) -> float:
     """Mean time between failures of a job that stops when any of its N GPUs
     fails, each independently with mean time gpu_mtbf: gpu_mtbf / N."""
-    return _positive(gpu_mtbf, "gpu_mtbf") / whole(gpus, "gpus")
+    return real(gpu_mtbf, "gpu_mtbf") / whole(gpus, "gpus")
 
 
 def expected_interruptions(gpus: int, duration: float = DAY, *,
@@ -45,9 +34,9 @@ def expected_interruptions(gpus: int, duration: float = DAY, *,
     GPU-second). Give exactly one of gpu_mtbf and gpu_rate."""
     if (gpu_mtbf is None) == (gpu_rate is None):
         raise ArgumentError("give exactly one of gpu_mtbf (s) and gpu_rate (1/s)")
-    rate = (1 / _positive(gpu_mtbf, "gpu_mtbf") if gpu_rate is None
-            else _positive(gpu_rate, "gpu_rate"))
-    return whole(gpus, "gpus") * _positive(duration, "duration") * rate
+    rate = (1 / real(gpu_mtbf, "gpu_mtbf") if gpu_rate is None
+            else real(gpu_rate, "gpu_rate"))
+    return whole(gpus, "gpus") * real(duration, "duration") * rate
 
 
 @dataclass(frozen=True)
@@ -72,7 +61,7 @@ def failure_snapshot(days: float, interruptions: int, unexpected: int,
     if unexpected > interruptions:
         raise ArgumentError(f"unexpected ({unexpected}) cannot exceed interruptions "
                             f"({interruptions})")
-    n, duration = whole(gpus, "gpus"), _positive(days, "days") * DAY
+    n, duration = whole(gpus, "gpus"), real(days, "days") * DAY
     mtbf = duration / unexpected
     return FailureSnapshot(duration, interruptions, unexpected, n, mtbf, mtbf * n,
                            unexpected / days)
@@ -90,8 +79,8 @@ LLAMA3_FAILURES = failure_snapshot(days=54, interruptions=466, unexpected=419,
 def failure_cost(interval: float, restart: float) -> float:
     """Time one failure costs: the work since the last checkpoint, half an
     interval on average (failures fall uniformly in it), plus the restart."""
-    restart = _positive(restart, "restart", zero=True)
-    return _positive(interval, "interval") / 2 + restart
+    restart = real(restart, "restart", zero=True)
+    return real(interval, "interval") / 2 + restart
 
 
 def wasted_fraction(interval: float, checkpoint: float, restart: float,
@@ -99,15 +88,15 @@ def wasted_fraction(interval: float, checkpoint: float, restart: float,
     """Time lost per unit of useful work, to first order (Young 1974): writing a
     checkpoint of C seconds every τ, plus one failure_cost(τ, R) every M seconds:
     C/τ + (τ/2 + R)/M. Its minimum is at young_interval(C, M)."""
-    c = _positive(checkpoint, "checkpoint")
+    c = real(checkpoint, "checkpoint")
     lost = failure_cost(interval, restart)
-    return c / _positive(interval, "interval") + lost / _positive(mtbf, "mtbf")
+    return c / real(interval, "interval") + lost / real(mtbf, "mtbf")
 
 
 def young_interval(checkpoint: float, mtbf: float) -> float:
     """Young (1974), "A first order approximation to the optimum checkpoint
     interval", CACM 17(9): τ = sqrt(2·C·M), compute time between checkpoints."""
-    return math.sqrt(2 * _positive(checkpoint, "checkpoint") * _positive(mtbf, "mtbf"))
+    return math.sqrt(2 * real(checkpoint, "checkpoint") * real(mtbf, "mtbf"))
 
 
 def daly_interval(checkpoint: float, mtbf: float) -> float:
@@ -116,7 +105,7 @@ def daly_interval(checkpoint: float, mtbf: float) -> float:
     τ = sqrt(2CM)·[1 + sqrt(ξ)/3 + ξ/9] − C for C < 2M, else τ = M.
     The restart time R does not move the optimum (it scales every segment's
     expected cost alike)."""
-    c, m = _positive(checkpoint, "checkpoint"), _positive(mtbf, "mtbf")
+    c, m = real(checkpoint, "checkpoint"), real(mtbf, "mtbf")
     if c >= 2 * m:
         return m
     xi = c / (2 * m)
@@ -137,7 +126,7 @@ class SyncTraffic:
 def ddp_traffic(payload: float, n: int) -> SyncTraffic:
     """Data parallelism: one ring all-reduce of the payload every step,
     2(N-1)/N · payload each step, so average = peak."""
-    sent = ring_bytes_per_rank("all_reduce", _positive(payload, "payload", zero=True),
+    sent = ring_bytes_per_rank("all_reduce", real(payload, "payload", zero=True),
                                whole(n, "n, the number of ranks,"))
     return SyncTraffic(sent, sent)
 
@@ -183,12 +172,12 @@ def sync_step_time(compute: float, across: float, bandwidth: float,
     bytes share that one link; where each host's egress is shaped on its own,
     pass B times the links that carry them at once."""
     h = whole(inner_steps, "inner_steps")
-    return _positive(compute, "compute") + _positive(across, "across", zero=True) / (
-        h * _positive(bandwidth, "bandwidth"))
+    return real(compute, "compute") + real(across, "across", zero=True) / (
+        h * real(bandwidth, "bandwidth"))
 
 
 def crossover_bandwidth(compute: float, across: float, inner_steps: int = 1) -> float:
     """The bandwidth B* at which a sync's communication takes as long as its
     compute: across / (H·t_c); DDP's (H = 1) over H is DiLoCo's."""
     h = whole(inner_steps, "inner_steps")
-    return _positive(across, "across") / (h * _positive(compute, "compute"))
+    return real(across, "across") / (h * real(compute, "compute"))

@@ -9,11 +9,9 @@ MFU over 100 % is always a miscount, which `likely_miscounts` names.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
-from labkit.arguments import whole
+from labkit.arguments import real, whole
 
 # A typical training run's MFU: the band a corrected miscount should land in.
 PLAUSIBLE = (0.20, 0.70)
@@ -111,22 +109,6 @@ class ImpossibleMFU(ValueError):
 # ------------------------------------------------------------------ arguments
 
 
-def _positive(x, name: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a number > 0, got {x!r} "
-                        f"({type(x).__name__})")
-    if not math.isfinite(x) or x <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {x!r}")
-    return float(x)
-
-
-def _nonnegative(x, name: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a number >= 0, got {x!r}")
-    if not math.isfinite(x) or x < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {x!r}")
-    return float(x)
-
 
 def _shape(params, layers, heads, head_dim, seq_len, convention, more) -> dict:
     """The checked arguments of a count; errors name the argument."""
@@ -139,7 +121,7 @@ def _shape(params, layers, heads, head_dim, seq_len, convention, more) -> dict:
     if unknown:
         raise TypeError(f"unknown argument(s) {sorted(unknown)}; a count takes "
                         f"{sorted(known)}")
-    s = dict(n=_positive(params, "params"), layers=whole(layers, "layers"),
+    s = dict(n=real(params, "params"), layers=whole(layers, "layers"),
              heads=whole(heads, "heads"), head_dim=whole(head_dim, "head_dim"),
              seq=whole(seq_len, "seq_len"), convention=convention)
     causal = more.get("causal", True)
@@ -150,7 +132,7 @@ def _shape(params, layers, heads, head_dim, seq_len, convention, more) -> dict:
     kv = more.get("kv_heads")
     if kv is not None and s["heads"] % whole(kv, "kv_heads"):
         raise ValueError(f"kv_heads must divide heads ({s['heads']}), got {kv}")
-    e = _nonnegative(more.get("embedding_params", 0), "embedding_params")
+    e = real(more.get("embedding_params", 0), "embedding_params", zero=True)
     if e >= s["n"]:
         raise ValueError(f"embedding_params ({e:g}) must be fewer than params "
                          f"({s['n']:g})")
@@ -240,8 +222,8 @@ def mfu(tokens_per_second, peak_flops, *, params, layers, heads, head_dim,
     convention. Over 100 % raises ImpossibleMFU naming the likely miscounts
     (gpus=, when known, lets it test tokens/s given for the whole job). Other
     keywords as flops_per_token."""
-    rate = _positive(tokens_per_second, "tokens_per_second")
-    peak = _positive(peak_flops, "peak_flops")
+    rate = real(tokens_per_second, "tokens_per_second")
+    peak = real(peak_flops, "peak_flops")
     if gpus is not None:
         whole(gpus, "gpus")
     shape = dict(params=params, layers=layers, heads=heads, head_dim=head_dim,
@@ -288,7 +270,7 @@ def likely_miscounts(value, *, params, layers, heads, head_dim, seq_len,
     whole-job tokens/s needs gpus=; without it the candidate says so and has no
     corrected value. `value` as computed under `convention` with the same
     keywords (hardware, recompute ...)."""
-    value = _positive(value, "value")
+    value = real(value, "value")
     s = _shape(params, layers, heads, head_dim, seq_len, convention, more)
     dense, attention = _parts(s)
     total = dense + attention + (_recomputed(s, dense, attention)
