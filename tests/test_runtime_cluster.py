@@ -484,15 +484,20 @@ print("ok")
 """
 
 
-@FORK_ONLY
-def test_a_forkserver_that_handed_over_exits_once_its_ranks_have():
+def _passes_in_a_fresh_interpreter(code: str) -> None:
+    """Run `code` in a new Python; it must exit 0 having printed "ok" last."""
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", _RETIRE], capture_output=True,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True,
                        text=True, timeout=240)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (
         f"exit {r.returncode}:\n{r.stderr[-3000:]}")
+
+
+@FORK_ONLY
+def test_a_forkserver_that_handed_over_exits_once_its_ranks_have():
+    _passes_in_a_fresh_interpreter(_RETIRE)
 
 
 # in a fresh interpreter, so that a successor forks: the answer to a start
@@ -531,13 +536,7 @@ print("ok")
 
 @FORK_ONLY
 def test_a_start_whose_answer_the_liveness_check_read_returns():
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-c", _LOOKED_AWAY], capture_output=True,
-                       text=True, timeout=240)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (
-        f"exit {r.returncode}:\n{r.stderr[-3000:]}")
+    _passes_in_a_fresh_interpreter(_LOOKED_AWAY)
 
 
 def test_an_optimizer_class_made_here_uses_the_ranks_hooks(cluster):
