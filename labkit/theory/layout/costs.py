@@ -98,6 +98,7 @@ def stage_params(model: ModelConfig, layout: Layout, stage: int) -> float:
     return held / layout.tp
 
 
+@lru_cache(maxsize=4096)  # memory() and dp_traffic() of every layout the chooser tries
 def busiest_stage_params(model: ModelConfig, layout: Layout) -> float:
     """stage_params of the stage that holds the most: what memory() and
     dp_traffic() charge a device (P / (TP x PP), params_per_device, is the
