@@ -500,6 +500,46 @@ def test_a_forkserver_that_handed_over_exits_once_its_ranks_have():
     _passes_in_a_fresh_interpreter(_RETIRE)
 
 
+# importing a layer above the runtime changes nothing in it: the runtime looks
+# for PRELOAD_IN_RANKS among what was imported when it starts ranks
+_IMPORT_ASKS_NOTHING = """
+import labkit.ledger
+from labkit.runtime import forkserver
+assert forkserver.started() == [], f"a forkserver started: {forkserver.started()}"
+assert forkserver._WANTED == list(forkserver.PRELOAD_WHEN_IDLE), forkserver._WANTED
+assert forkserver.wanted() == (*forkserver.PRELOAD_WHEN_IDLE, "labkit.ledger"), (
+    forkserver.wanted())
+print("ok")
+"""
+
+
+def test_importing_the_ledger_starts_and_asks_nothing(monkeypatch):
+    monkeypatch.setenv("LABKIT_PREWARM", "0")
+    _passes_in_a_fresh_interpreter(_IMPORT_ASKS_NOTHING)
+
+
+# in a notebook, what a cell imported that ranks should start with is passed on
+# once the cell ends, before any cluster, so a successor imports it meanwhile
+_CELL_PASSES_IT_ON = """
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell("import labkit, torch", store_history=True).raise_error()
+from labkit.runtime import forkserver
+asked = forkserver.shared().asked
+assert "labkit.ledger" not in asked, asked
+shell.run_cell("from labkit import ledger", store_history=True).raise_error()
+asked = forkserver.shared().asked
+assert "labkit.ledger" in asked, f"after the ledger's cell the runtime asked {asked}"
+print("ok")
+"""
+
+
+def test_in_a_notebook_a_cell_that_imports_the_ledger_has_it_preloaded(
+        monkeypatch):
+    monkeypatch.delenv("LABKIT_PREWARM", raising=False)
+    _passes_in_a_fresh_interpreter(_CELL_PASSES_IT_ON)
+
+
 # in a fresh interpreter, so that a successor forks: the answer to a start
 # arrives while the kernel looks away (its wait timed out, as under load), and
 # the successor's liveness check then reads it: the start must still return

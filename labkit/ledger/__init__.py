@@ -1,7 +1,7 @@
 """Layer 2, measurement: what a rank holds and sends, the memory and traffic ledgers.
 
-Imports torch, labkit.runtime (its forkserver: ranks start with the ledger
-imported), labkit.probe, labkit.conventions and labkit.units; nothing above it.
+Imports torch, labkit.runtime, labkit.probe, labkit.conventions and
+labkit.units; nothing above it. Ranks start with it imported (PRELOAD_IN_RANKS).
 
 `traffic()` records every collective a rank makes; `memory(...)` tracks the bytes a
 process holds by category (`steps`: one entry per optimizer step); `holdings(...)`
@@ -12,7 +12,6 @@ when anything runs.
 
 from labkit.conventions import MODEL_STATES
 from labkit.ledger.activations import forward_activations
-from labkit.runtime import forkserver as _forkserver
 from labkit.ledger.common import Ledger, recording
 from labkit.ledger.holdings_ledger import Holdings, holdings
 from labkit.ledger.memory_ledger import MEMORY_CATEGORIES, MemoryLedger, Step, memory
@@ -34,6 +33,6 @@ __all__ = ["MEMORY_CATEGORIES", "MODEL_STATES", "Holdings", "MemoryLedger", "Rec
 __all__ += ["Ledger", "by_group", "forward_activations", "in_backward", "recording",
             "union"]
 
-# ranks forked from now on start with the ledger imported (it pulls in DTensor,
-# slow to import: `python -X importtime` shows how slow)
-_forkserver.preload_when_idle(__name__)
+# the runtime has ranks start with this imported once the kernel has (it pulls
+# in DTensor, slow to import: `python -X importtime` shows how slow)
+PRELOAD_IN_RANKS = True

@@ -3,9 +3,11 @@ that forks ranks (forkserver_process.py), `shared(start)` the one per kernel and
 start method (platform.py). Imports labkit.runtime's platform, wire, messages and
 timeouts, and the standard library.
 
-What a layer above asks to have imported later (`preload_when_idle`) a serving
-forkserver never imports itself, since it could not fork meanwhile: once idle it
-forks a successor that imports it and takes over the forking.
+Ranks start with what the kernel imported of the modules that say
+`PRELOAD_IN_RANKS = True` (the runtime looks; importing one changes nothing
+here). What is asked for after the start a serving forkserver never imports
+itself, since it could not fork meanwhile: once idle it forks a successor that
+imports it and takes over the forking.
 """
 
 from __future__ import annotations
@@ -34,24 +36,40 @@ from labkit.runtime.messages import (
 from labkit.runtime.timeouts import DEFAULT
 
 # what ranks would otherwise import on first use: what a rank's first
-# optimizer.step() imports (torch._dynamo, ~1.5 s) and the memory tracker; layers
-# above add their own (preload_when_idle)
+# optimizer.step() imports (torch._dynamo, ~1.5 s) and the memory tracker
 PRELOAD_WHEN_IDLE = ("torch.distributed._tools.mem_tracker", "torch._dynamo")
-_WANTED: list[str] = list(PRELOAD_WHEN_IDLE)  # ... and what layers above added
+_WANTED: list[str] = list(PRELOAD_WHEN_IDLE)  # + what preload_when_idle adds
+# a labkit module with this set to True at its top level is imported in ranks
+# too once the kernel has imported it (the memory ledger: it pulls in DTensor)
+PRELOAD_FLAG = "PRELOAD_IN_RANKS"
 KEEP_EXITS = 512  # rank exits remembered (Forkserver.exits), the latest
+
+
+def wanted() -> tuple[str, ...]:
+    """What ranks should start with imported: PRELOAD_WHEN_IDLE, what
+    preload_when_idle was asked for, and each labkit module imported here that
+    says PRELOAD_IN_RANKS = True."""
+    flagged = sorted(name for name, module in list(sys.modules.items())
+                     if name.startswith("labkit.")
+                     and getattr(module, PRELOAD_FLAG, False) is True)
+    return tuple(dict.fromkeys((*_WANTED, *flagged)))
 
 
 def preload_when_idle(*names: str) -> None:
     """Ask the forkserver to have `names` imported before it forks ranks (when
-    idle, by a successor): a layer above the runtime calls this for itself on
-    import, so that ranks start with it imported."""
-    new = [n for n in names if n not in _WANTED]
-    if not new:
-        return
-    _WANTED.extend(new)
+    idle, by a successor)."""
+    for name in names:
+        if name not in _WANTED:
+            _WANTED.append(name)
+    ask_for_new_preloads()
+
+
+def ask_for_new_preloads() -> None:
+    """Pass on to each live forkserver what ranks should now start with that it
+    has not heard of (a cell, or a spawn, after the kernel imported more)."""
     for server in list(_SHARED.values()):
         if server.alive():
-            server.ask_preload(tuple(new))
+            server.ask_new_preloads()
 
 
 # ---------------------------------------------------------- the kernel's handle
@@ -103,7 +121,8 @@ class Forkserver:
         self._spawned: dict[socket.socket, tuple[int, ...]] = {}
         self.lock = threading.RLock()
         # read once torch is imported there; successors get it again (_take)
-        wire.send(mine, Preload(tuple(_WANTED)))
+        self.asked = wanted()
+        wire.send(mine, Preload(self.asked))
 
     @property
     def pid(self) -> int:
@@ -179,16 +198,20 @@ class Forkserver:
             self._socks.append(self._successor)
             self._pid_of[self._successor] = msg.pid
             # what was asked for after it was forked, it has not heard of
-            wire.send(self._successor, Preload(tuple(_WANTED)))
+            wire.send(self._successor, Preload(self.asked))
         return msg
 
-    def ask_preload(self, names: tuple[str, ...]) -> None:
+    def ask_new_preloads(self) -> None:
         """Tell every forkserver process of ours (the one that forks and a
-        successor on its way) to have `names` imported."""
+        successor on its way) to have imported what `wanted()` now adds."""
         with self.lock:
+            new = tuple(n for n in wanted() if n not in self.asked)
+            if not new:
+                return
+            self.asked += new
             for sock in self._socks:
                 try:
-                    wire.send(sock, Preload(names))
+                    wire.send(sock, Preload(new))
                 except OSError:
                     pass  # gone: its exit is seen elsewhere
 
@@ -214,6 +237,7 @@ class Forkserver:
               ) -> tuple[int, ...]:
         """Fork one rank per spec; their pids (looking every `poll` seconds)."""
         with self.lock:
+            self.ask_new_preloads()  # for the ranks after these: a successor's
             self._drain(0)  # a successor that has said ready takes over now
             while self.sock not in self._ready:
                 if not self.alive():
@@ -246,12 +270,13 @@ class Forkserver:
 
     def wait_preloaded(self, timeout: float = DEFAULT.preload) -> bool:
         """Wait until the forkserver that forks has imported what was asked for
-        (PRELOAD_WHEN_IDLE and what layers above added). The portable start
-        preloads nothing (its ranks import on first use): True at once."""
+        (`wanted()`). The portable start preloads nothing (its ranks import
+        on first use): True at once."""
         if self.start == "portable":
             return True
+        self.ask_new_preloads()
         end = time.monotonic() + timeout
-        while not set(_WANTED) <= set(self.preloaded):
+        while not set(self.asked) <= set(self.preloaded):
             if time.monotonic() > end:
                 return False
             with self.lock:
@@ -301,10 +326,29 @@ def prewarm() -> None:
     where `import labkit` is a sign that ranks will follow."""
     if os.environ.get(ROLE_ENV):
         return
+    _after_each_cell()
     choice = os.environ.get("LABKIT_PREWARM", "auto")
     if choice == "0" or (choice == "auto" and not _in_ipython()):
         return
     shared()
+
+
+def _after_each_cell() -> None:
+    """In IPython: once each cell has run, pass on what it imported that ranks
+    should start with, so a successor imports it while the student reads."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None or getattr(shell, "_labkit_preloads", False):
+        return
+    shell._labkit_preloads = True
+
+    def after_cell(*_):
+        try:
+            ask_for_new_preloads()
+        except OSError:  # a forkserver gone meanwhile: the next start says so
+            pass
+
+    shell.events.register("post_run_cell", after_cell)
 
 
 def _in_ipython() -> bool:

@@ -54,8 +54,8 @@ class ForkserverReady:
 
 @dataclass(frozen=True)
 class Preload:
-    """Modules for the forkserver to have imported before it forks ranks: a layer
-    above the runtime names itself (forkserver.preload_when_idle)."""
+    """Modules for the forkserver to have imported before it forks ranks
+    (forkserver.wanted(): a module above the runtime says PRELOAD_IN_RANKS)."""
 
     names: tuple[str, ...]
 
