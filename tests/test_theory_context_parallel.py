@@ -82,7 +82,7 @@ def test_gqa_shrinks_only_the_key_and_value_terms():
 @pytest.mark.parametrize("call, message", [
     (lambda: theory.ulysses_traffic(1024, 1, 64, 4, heads=8), "both heads"),
     (lambda: theory.ring_traffic(1024, 1, 64, 4, heads=8, kv_heads=3), "divide"),
-    (lambda: theory.allgather_traffic(1024, 1, 64, 0), "n must be"),
+    (lambda: theory.allgather_traffic(1024, 1, 64, 0), "cp_size must be"),
     (lambda: theory.allgather_traffic(1024, 1, 64, 4, gathers=0), "gathers"),
 ])
 def test_bad_arguments_raise_value_error(call, message):

@@ -271,8 +271,9 @@ REALS = [  # (function, good keyword arguments, the one to spoil, zero allowed)
       for name in ("interval", "checkpoint", "restart", "mtbf")],
     *[(f, {"checkpoint": 5.0, "mtbf": 1e4}, name, False)
       for f in (young_interval, daly_interval) for name in ("checkpoint", "mtbf")],
-    (ddp_traffic, {"payload": 1e6, "n": 4}, "payload", True),
-    (diloco_traffic, {"payload": 1e6, "n": 4, "inner_steps": 10}, "payload", True),
+    (ddp_traffic, {"payload": 1e6, "world_size": 4}, "payload", True),
+    (diloco_traffic, {"payload": 1e6, "world_size": 4, "inner_steps": 10}, "payload",
+     True),
     (bytes_across_hosts, {"payload": 1e6, "hosts": 2, "ranks_per_host": 2},
      "payload", True),
     *[(sync_step_time, {"compute": 0.5, "across": 1e6, "bandwidth": 1e9}, name,
@@ -287,9 +288,10 @@ COUNTS = [  # (function, good keyword arguments, the one to spoil)
     *[(failure_snapshot, {"days": 54, "interruptions": 466, "unexpected": 419,
                           "gpus": 16}, name)
       for name in ("interruptions", "unexpected", "gpus")],
-    (ddp_traffic, {"payload": 1e6, "n": 4}, "n"),
-    *[(diloco_traffic, {"payload": 1e6, "n": 4, "inner_steps": 10, "fragments": 2},
-       name) for name in ("n", "inner_steps", "fragments")],
+    (ddp_traffic, {"payload": 1e6, "world_size": 4}, "world_size"),
+    *[(diloco_traffic, {"payload": 1e6, "world_size": 4, "inner_steps": 10,
+                        "fragments": 2},
+       name) for name in ("world_size", "inner_steps", "fragments")],
     *[(quantized_payload, {"values": 1000, "bits": 4, "block": 64}, name)
       for name in ("values", "bits", "block")],
     *[(bytes_across_hosts, {"payload": 1e6, "hosts": 2, "ranks_per_host": 2}, name)

@@ -14,7 +14,7 @@ def test_ring_stepper_headless():
     w.step.value = 3
     assert (w.last.phase, w.last.step) == ("reduce-scatter", 3)
     assert "0.75·M" in w.info.value
-    w.n.value = 16
+    w.world_size.value = 16
     assert w.step.max == 30
     w.step.value = 30
     assert (w.last.phase, w.last.step) == ("all-gather", 15)
@@ -32,7 +32,7 @@ def test_zero_explorer_headless():
     w = viz.zero_explorer()
     assert [round(v.total / 1e9, 1) for v in w.last.values()] == [120.0, 31.4, 16.6,
                                                                    1.9]
-    w.n.value = 8
+    w.dp_size.value = 8
     assert w.last["ZeRO-3"].total == pytest.approx(16 * 7.5e9 / 8)
     w.model.value = "llama3-8b"
     assert w.psi() == 8_030_261_248
@@ -77,7 +77,7 @@ def test_placement_explorer_headless():
 
 
 def test_zero_explorer_model_sets_psi_and_text_and_chart_agree():
-    w = viz.zero_explorer(n=8, stage=3)
+    w = viz.zero_explorer(dp_size=8, stage=3)
     w.model.value = "gpt2-small"
     psi = theory.param_count("gpt2-small")                    # 124,439,808
     assert w.params.value == psi and w.psi() == psi           # the slider follows
@@ -103,26 +103,26 @@ def test_zero_explorer_model_sets_psi_and_text_and_chart_agree():
     assert w.psi() == theory.param_count("llama3-70b")
     # ... but a Ψ typed into the readout, even 0.8 % off the model's, is the
     # student's: 04's exercise types 7e10 with llama3-70b (70.6e9) selected
-    w.n.value, w.stage.value, w.precision.value = 14, 3, "mixed"
+    w.dp_size.value, w.stage.value, w.precision.value = 14, 3, "mixed"
     w.params.value = 7e10
     assert w.model.value == "custom" and w.psi() == 7e10
     assert "<b>80.00 GB</b>" in w.info.value and "which fits" in w.info.value
 
 
 def test_zero_explorer_finds_n_that_is_not_a_power_of_two():
-    w = viz.zero_explorer(params=70e9, stage=3, n=13)
+    w = viz.zero_explorer(params=70e9, stage=3, dp_size=13)
     assert "does not fit in an 80 GB device" in w.info.value
-    w.n.value = 14                                             # 16 * 70e9 / 14 = 80e9
+    w.dp_size.value = 14                                       # 16 * 70e9 / 14 = 80e9
     assert w.last["ZeRO-3"].total == 80e9
     assert "<b>80.00 GB</b>" in w.info.value and "which fits" in w.info.value
     w.model.value = "llama3-70b"
     assert "does not fit" in w.info.value
-    w.n.value = 15
+    w.dp_size.value = 15
     assert "which fits" in w.info.value
 
 
 def test_zero_explorer_starts_from_a_model():
-    w = viz.zero_explorer(model="llama3-8b", n=8)
+    w = viz.zero_explorer(model="llama3-8b", dp_size=8)
     assert w.model.value == "llama3-8b"
     assert w.params.value == theory.param_count("llama3-8b")
     assert w.last["DP"].total == pytest.approx(16 * theory.param_count("llama3-8b"))
@@ -161,11 +161,12 @@ def test_ring_stepper_steps_work_without_a_kernel():
         assert f"after step {k} of 6" in shown[k], (k, shown[k])
         w.step.value = k
         assert w.info.value == shown[k]
-    assert LIVE_CLASS not in w.n._dom_classes and LIVE_CLASS in w.step._dom_classes
+    assert (LIVE_CLASS not in w.world_size._dom_classes
+            and LIVE_CLASS in w.step._dom_classes)
     # a new N (kernel only) draws its steps as they are shown, and the kernel
     # lets go of the old N's pages (stacks, pictures, links)
     before = w.pages
-    w.n.value = 6
+    w.world_size.value = 6
     assert before.comm is None and before.links[0].comm is None
     assert all(leaf.comm is None and leaf.children[1].comm is None
                for leaf in before.leaves.values())
@@ -175,7 +176,7 @@ def test_ring_stepper_steps_work_without_a_kernel():
 
 
 def test_zero_explorer_stage_and_precision_work_without_a_kernel():
-    w = viz.zero_explorer(params=7.5e9, n=64, stage=2)
+    w = viz.zero_explorer(params=7.5e9, dp_size=64, stage=2)
     static = {(p, s): _static_view(w, {w.precision: p, w.stage: s})
               for p in range(2) for s in range(4)}
     assert all(static.values()), "every stage and precision drawn ahead"
@@ -184,9 +185,9 @@ def test_zero_explorer_stage_and_precision_work_without_a_kernel():
         assert w.info.value == caption, ((p, s), caption, w.info.value)
         assert f"{widgets.STAGES[s]} keeps" in caption
     assert LIVE_CLASS in w.stage._dom_classes + w.precision._dom_classes
-    assert LIVE_CLASS not in w.n._dom_classes + w.params._dom_classes
+    assert LIVE_CLASS not in w.dp_size._dom_classes + w.params._dom_classes
     # N moved in a kernel: the states drawn for the old N are dropped, not shown
-    w.n.value = 8
+    w.dp_size.value = 8
     assert _static_view(w, {w.precision: 0, w.stage: 0}) is None
     assert "on N = 8" in w.info.value
     # the chart shown is the one drawn for the state shown, even one drawn

@@ -102,21 +102,21 @@ def refuse_collectives(where: str, records, what: str) -> None:
             "messages alone (isend/irecv or send/recv), no collective")
 
 
-def require_ring(where: str, rank: int, n: int, records, chunk_bytes: int,
+def require_ring(where: str, rank: int, world_size: int, records, chunk_bytes: int,
                  what: str) -> None:
     """ExerciseError unless this rank's records are one ring phase: no
     collective, N-1 sends of `chunk_bytes` each to the right neighbour, N-1
-    receives of as many bytes from the left one."""
+    receives of as many bytes from the left one (N = world_size)."""
     refuse_collectives(where, records, what)
     sends, recvs, _ = messages(records)
-    right, left = (rank + 1) % n, (rank - 1) % n
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
     for name, got, peer, direction in (("sent", sends, right, "to its right"),
                                        ("received", recvs, left, "from its left")):
-        if len(got) != n - 1:
+        if len(got) != world_size - 1:
             raise ExerciseError(
                 f"{where}: it {name} {len(got)} message{'s' * (len(got) != 1)}; "
-                f"{what} on {n} ranks takes {n - 1} steps, one message "
-                f"{direction} neighbour per step")
+                f"{what} on {world_size} ranks takes {world_size - 1} steps, one "
+                f"message {direction} neighbour per step")
         for k, (p, nbytes) in enumerate(got, 1):
             if p != peer:
                 raise ExerciseError(
@@ -176,25 +176,28 @@ def _side(t, splits, n: int, what: str):
     return rows, splits, None
 
 
-def plan_of(output, input, output_split_sizes, input_split_sizes, n: int) -> dict:
-    """What one rank's all_to_all_single asks for: rows and split sizes of each
-    side (None where they do not fit), whether split sizes were given, row
-    shape and dtype of each side, bytes to and from each rank, the problem."""
+def plan_of(output, input, output_split_sizes, input_split_sizes,
+            world_size: int) -> dict:
+    """What one rank's all_to_all_single asks for in a group of world_size
+    ranks: rows and split sizes of each side (None where they do not fit),
+    whether split sizes were given, row shape and dtype of each side, bytes to
+    and from each rank, the problem."""
     import math
 
     def row_bytes(t):
         return (math.prod(t.shape[1:]) if t.dim() else 1) * t.element_size()
 
-    in_rows, ins, p_in = _side(input, input_split_sizes, n, "input")
-    out_rows, outs, p_out = _side(output, output_split_sizes, n, "output")
+    in_rows, ins, p_in = _side(input, input_split_sizes, world_size, "input")
+    out_rows, outs, p_out = _side(output, output_split_sizes, world_size, "output")
     return {"in_rows": in_rows, "out_rows": out_rows, "ins": ins, "outs": outs,
             "given": [input_split_sizes is not None, output_split_sizes is not None],
             "row": list(input.shape[1:]), "out_row": list(output.shape[1:]),
             "dtype": str(input.dtype), "out_dtype": str(output.dtype),
             "row_bytes": row_bytes(output),
-            "sends": [k * row_bytes(input) for k in ins] if not p_in else [0] * n,
+            "sends": ([k * row_bytes(input) for k in ins] if not p_in
+                      else [0] * world_size),
             "expects": ([k * row_bytes(output) for k in outs] if not p_out
-                        else [0] * n),
+                        else [0] * world_size),
             "problem": p_in or p_out}
 
 

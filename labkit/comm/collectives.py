@@ -14,10 +14,12 @@ OPS = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter",
        "scatter", "gather", "all_to_all")
 
 
-def course_example(n: int = 4, length: int | None = None) -> list[list[float]]:
-    """The course's running example: rank r holds [0, 1, ..., length-1] + r."""
-    length = n if length is None else length
-    return [[float(i + r) for i in range(length)] for r in range(n)]
+def course_example(world_size: int = 4, length: int | None = None
+                   ) -> list[list[float]]:
+    """The course's running example on world_size ranks: rank r holds
+    [0, 1, ..., length-1] + r (length: world_size unless given)."""
+    length = world_size if length is None else length
+    return [[float(i + r) for i in range(length)] for r in range(world_size)]
 
 
 def _chunks(xs: list, n: int, what: str) -> list[list]:
@@ -83,27 +85,30 @@ class RingStep:
     holds: tuple[tuple[frozenset, ...], ...]
 
 
-def ring_send_chunk(rank: int, n: int, phase: str, step: int) -> int:
-    """Which chunk `rank` sends to rank+1 at 1-based `step` of `phase`.
+def ring_send_chunk(rank: int, world_size: int, phase: str, step: int) -> int:
+    """Which chunk `rank` sends to rank+1 at 1-based `step` of `phase`, on
+    n = world_size ranks.
 
     Reduce-scatter: chunk (r - s + 1) mod n, so after n-1 steps rank r holds the
     complete sum of chunk (r + 1) mod n. All-gather: chunk (r - s + 2) mod n, i.e.
     each rank starts by passing on the chunk it completed.
     """
     offset = 1 if phase == "reduce-scatter" else 2
-    return (rank - step + offset) % n
+    return (rank - step + offset) % world_size
 
 
-def ring_steps(n: int) -> list[RingStep]:
-    """Every state of ring all-reduce on n ranks, from the start to the end."""
-    if n < 1:
-        raise ValueError(f"a ring needs at least 1 rank, got {n}")
-    holds = [[frozenset([r]) for _ in range(n)] for r in range(n)]
+def ring_steps(world_size: int) -> list[RingStep]:
+    """Every state of ring all-reduce on world_size ranks, from the start to the
+    end."""
+    if world_size < 1:
+        raise ValueError(f"a ring needs at least 1 rank, got {world_size}")
+    holds = [[frozenset([r]) for _ in range(world_size)] for r in range(world_size)]
     steps = [RingStep("start", 0, (), tuple(map(tuple, holds)))]
     for phase in ("reduce-scatter", "all-gather"):
-        for s in range(1, n):
-            sends = tuple((r, (r + 1) % n, ring_send_chunk(r, n, phase, s))
-                          for r in range(n))
+        for s in range(1, world_size):
+            sends = tuple((r, (r + 1) % world_size,
+                           ring_send_chunk(r, world_size, phase, s))
+                          for r in range(world_size))
             new = [list(row) for row in holds]
             for src, dst, c in sends:
                 if phase == "reduce-scatter":

@@ -56,11 +56,11 @@ def _both(links, a, b, bw):
     links[(b, a)] = bw
 
 
-def ring(n: int, link_bw: float) -> Topology:
-    """n devices in a cycle, each linked to its two neighbours."""
-    if n < 2:
-        raise ValueError(f"a ring needs at least 2 devices, got {n}")
-    return torus((n,), link_bw, name=f"ring of {n}")
+def ring(world_size: int, link_bw: float) -> Topology:
+    """world_size devices in a cycle, each linked to its two neighbours."""
+    if world_size < 2:
+        raise ValueError(f"a ring needs at least 2 devices, got {world_size}")
+    return torus((world_size,), link_bw, name=f"ring of {world_size}")
 
 
 def torus(dims: tuple[int, ...], link_bw: float, name: str | None = None) -> Topology:
@@ -101,17 +101,18 @@ def torus(dims: tuple[int, ...], link_bw: float, name: str | None = None) -> Top
                     frozenset(wrap))
 
 
-def switch(n: int, link_bw: float, name: str | None = None) -> Topology:
-    """n devices, each with one link to a single non-blocking switch (NVSwitch)."""
-    if n < 2:
-        raise ValueError(f"a switch needs at least 2 devices, got {n}")
-    devs = [f"g{i}" for i in range(n)]
+def switch(world_size: int, link_bw: float, name: str | None = None) -> Topology:
+    """world_size devices, each with one link to a single non-blocking switch
+    (NVSwitch)."""
+    if world_size < 2:
+        raise ValueError(f"a switch needs at least 2 devices, got {world_size}")
+    devs = [f"g{i}" for i in range(world_size)]
     links: dict = {}
     for d in devs:
         _both(links, d, "switch", link_bw)
     pos = {d: (i, 0.0) for i, d in enumerate(devs)}
-    pos["switch"] = ((n - 1) / 2, 1.0)
-    return Topology(name or f"switch, {n} devices", devs, links, pos,
+    pos["switch"] = ((world_size - 1) / 2, 1.0)
+    return Topology(name or f"switch, {world_size} devices", devs, links, pos,
                     lambda s, t: [s, "switch", t])
 
 

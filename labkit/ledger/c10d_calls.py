@@ -65,18 +65,20 @@ _NAMESPACES = {"c10d": _C10D, "_c10d_functional": _FUNCTIONAL,
 _SPLITS = {"alltoall_base_": 4, "all_to_all_single": 2}
 
 
-def sent_to_others(name: str, args, payload, nbytes: int, n: int, me: int) -> float:
-    """Bytes an all-to-all sends to the other ranks: the payload less this rank's
-    own chunk. With uneven splits (an MoE dispatch) that chunk is not 1/n of it,
-    so the bus factor's (n-1)/n would be wrong."""
-    if name == "alltoall_" and len(payload) == n:  # one input tensor per peer
+def sent_to_others(name: str, args, payload, nbytes: int, world_size: int,
+                   me: int) -> float:
+    """Bytes an all-to-all in a group of n = world_size ranks sends to the other
+    ranks: the payload less this rank's own chunk. With uneven splits (an MoE
+    dispatch) that chunk is not 1/n of it, so the bus factor's (n-1)/n would be
+    wrong."""
+    if name == "alltoall_" and len(payload) == world_size:  # one input tensor per peer
         mine = payload[me]
         return nbytes - mine.numel() * mine.element_size()
     at = _SPLITS.get(name)
     splits = list(args[at]) if at is not None and at < len(args) else []
     rows = payload[0].shape[0] if payload and payload[0].dim() else 0
-    if len(splits) != n or not rows:
-        return nbytes * BUS_FACTOR["all_to_all"](n)
+    if len(splits) != world_size or not rows:
+        return nbytes * BUS_FACTOR["all_to_all"](world_size)
     return nbytes - splits[me] * nbytes / rows
 
 

@@ -11,8 +11,9 @@ def check_counts(**counts) -> None:
         whole(v, name)
 
 
-def check_n(n) -> int:
-    return whole(n, "the number of ranks")
+def check_world_size(world_size) -> int:
+    """A process group's size: a whole number >= 1."""
+    return whole(world_size, "the number of ranks")
 
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit.conventions import BUS_FACTOR
-from labkit.theory._validate import check_n, check_size
+from labkit.theory._validate import check_size, check_world_size
 
 #
 # Bus factors: nccl-tests, doc/PERFORMANCE.md ("busBw = algBw * factor"):
@@ -50,46 +50,51 @@ def _check_op(op: str) -> str:
 
 
 
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw for `op` on n ranks (2(n-1)/n for all-reduce)."""
-    return _FACTORS[_check_op(op)](check_n(n))
+def bus_factor(op: str, world_size: int) -> float:
+    """nccl-tests' busbw / algbw for `op` on n = world_size ranks (2(n-1)/n for
+    all-reduce)."""
+    return _FACTORS[_check_op(op)](check_world_size(world_size))
 
 
-def ring_bytes_per_rank(op: str, size: float, n: int) -> float:
-    """Bytes each rank sends in the ring algorithm for an S-byte array:
-    all-reduce 2(n-1)/n * S, all-gather / reduce-scatter (n-1)/n * S."""
-    return bus_factor(op, n) * check_size(size)
+def ring_bytes_per_rank(op: str, size: float, world_size: int) -> float:
+    """Bytes each rank sends in the ring algorithm for an S-byte array on
+    n = world_size ranks: all-reduce 2(n-1)/n * S, all-gather / reduce-scatter
+    (n-1)/n * S."""
+    return bus_factor(op, world_size) * check_size(size)
 
 
-def latency_steps(op: str, n: int) -> int:
-    """Message latencies one after another: a ring's steps (2(n-1) for
-    all-reduce, n-1 for all-gather); 1 for an all-to-all, whose sends go at once."""
-    return _STEPS[_check_op(op)](check_n(n))
+def latency_steps(op: str, world_size: int) -> int:
+    """Message latencies one after another on n = world_size ranks: a ring's
+    steps (2(n-1) for all-reduce, n-1 for all-gather); 1 for an all-to-all, whose
+    sends go at once."""
+    return _STEPS[_check_op(op)](check_world_size(world_size))
 
 
-def alpha_beta_time(op: str, size: float, n: int, alpha: float, beta: float) -> float:
+def alpha_beta_time(op: str, size: float, world_size: int, alpha: float,
+                    beta: float) -> float:
     """The α-β (latency-bandwidth) model of a collective (a ring, or an
     all-to-all's concurrent sends): t = latency_steps * α + bytes_per_rank / β
     (Thakur et al. 2005, sec. 2; β in bytes/s)."""
     if alpha < 0 or beta <= 0:
         raise ValueError(f"need alpha >= 0 s and beta > 0 bytes/s, got {alpha}, {beta}")
-    return latency_steps(op, n) * alpha + ring_bytes_per_rank(op, size, n) / beta
+    return (latency_steps(op, world_size) * alpha
+            + ring_bytes_per_rank(op, size, world_size) / beta)
 
 
 @dataclass(frozen=True)
 class AlphaBeta:
-    """A fitted α-β model of one collective on n ranks."""
+    """A fitted α-β model of one collective on world_size ranks."""
 
     op: str
-    n: int
+    world_size: int
     alpha: float  # seconds per step (latency)
     beta: float  # bytes per second (bandwidth)
 
     def time(self, size: float) -> float:
-        return alpha_beta_time(self.op, size, self.n, self.alpha, self.beta)
+        return alpha_beta_time(self.op, size, self.world_size, self.alpha, self.beta)
 
 
-def fit_alpha_beta(op: str, n: int, sizes, seconds) -> AlphaBeta:
+def fit_alpha_beta(op: str, world_size: int, sizes, seconds) -> AlphaBeta:
     """Least-squares fit of t = steps*α + bytes_per_rank/β to measured (size, t).
 
     Both terms are linear in (α, 1/β); negative estimates are clamped to the
@@ -97,8 +102,8 @@ def fit_alpha_beta(op: str, n: int, sizes, seconds) -> AlphaBeta:
     sizes, seconds = list(sizes), list(seconds)
     if len(sizes) != len(seconds) or len(sizes) < 2:
         raise ValueError("need at least two (size, seconds) points of equal length")
-    k = latency_steps(op, n)
-    xs = [ring_bytes_per_rank(op, s, n) for s in sizes]
+    k = latency_steps(op, world_size)
+    xs = [ring_bytes_per_rank(op, s, world_size) for s in sizes]
     # ordinary least squares for t = c + b*x, then α = c / steps, β = 1 / b
     m, sx, st = len(xs), sum(xs), sum(seconds)
     sxx = sum(x * x for x in xs)
@@ -113,4 +118,4 @@ def fit_alpha_beta(op: str, n: int, sizes, seconds) -> AlphaBeta:
     if b <= 0:  # no infinite bandwidth: take the largest message alone
         big = max(range(m), key=lambda i: xs[i])
         b = max(seconds[big] - c, 1e-12) / xs[big]
-    return AlphaBeta(op, n, alpha=c / k if k else 0.0, beta=1.0 / b)
+    return AlphaBeta(op, world_size, alpha=c / k if k else 0.0, beta=1.0 / b)

@@ -123,15 +123,15 @@ class SyncTraffic:
     peak: float  # in the busiest step
 
 
-def ddp_traffic(payload: float, n: int) -> SyncTraffic:
-    """Data parallelism: one ring all-reduce of the payload every step,
-    2(N-1)/N · payload each step, so average = peak."""
+def ddp_traffic(payload: float, world_size: int) -> SyncTraffic:
+    """Data parallelism over N = world_size ranks: one ring all-reduce of the
+    payload every step, 2(N-1)/N · payload each step, so average = peak."""
     sent = ring_bytes_per_rank("all_reduce", real(payload, "payload", zero=True),
-                               whole(n, "n, the number of ranks,"))
+                               whole(world_size, "world_size, the number of ranks,"))
     return SyncTraffic(sent, sent)
 
 
-def diloco_traffic(payload: float, n: int, inner_steps: int,
+def diloco_traffic(payload: float, world_size: int, inner_steps: int,
                    fragments: int = 1) -> SyncTraffic:
     """DiLoCo (Douillard et al. 2023, arXiv 2311.08105): the same all-reduce
     once per H inner steps, average = DDP's / H. Streaming DiLoCo (Douillard
@@ -140,7 +140,7 @@ def diloco_traffic(payload: float, n: int, inner_steps: int,
     unchanged. Needs F <= H (at most one fragment a step)."""
     h = whole(inner_steps, "inner_steps")
     f = whole(fragments, "fragments", high=h)
-    full = ddp_traffic(payload, n).peak
+    full = ddp_traffic(payload, world_size).peak
     return SyncTraffic(full / h, full / f)
 
 

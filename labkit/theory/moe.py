@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.theory._validate import check_counts, check_n
+from labkit.theory._validate import check_counts, check_world_size
 from labkit.theory.collective_cost import ring_bytes_per_rank
 from labkit.theory.layout.costs import expert_params
 from labkit.theory.models import MODELS, ModelConfig, param_count
@@ -52,7 +52,7 @@ def expert_traffic(tokens: int, k: int, hidden: int, ep: int, dtype_bytes: int =
     Per layer: 2·(dispatch + combine) + counts = 4·T·k·h·bytes·(ep-1)/ep when
     balanced, and twice that with full recomputation, which is not counted here."""
     check_counts(tokens=tokens, k=k, hidden=hidden, dtype_bytes=dtype_bytes)
-    n = check_n(ep)
+    n = check_world_size(ep)
     pairs = tokens * k * hidden * dtype_bytes  # bytes of every row, kept or not
     dispatch = (ring_bytes_per_rank("all_to_all", pairs, n) if leave is None
                 else pairs * _fraction(leave, "leave"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.theory._validate import check_n, check_params
+from labkit.theory._validate import check_params, check_world_size
 
 #
 # Mehta 2026, "Placement Semantics for Distributed Deep Learning" (arXiv 2601.02311):
@@ -162,15 +162,16 @@ class Placement:
 
     # memory and traffic -----------------------------------------------------------
 
-    def cost(self, params: float, n_devices: int, *, k: float = 12,
+    def cost(self, params: float, dp_size: int, *, k: float = 12,
              param_bytes: float = 2, grad_bytes: float = 2, activations: float = 0.0,
              gather_fraction: float = 1.0) -> PlacementCost:
         """Bytes per device (persistent and peak) and traffic per step for Ψ =
-        `params` on N devices. `activations`: one device's activation bytes when
-        Replicated (its own micro-batch). `gather_fraction`: the largest share of a
-        gathered, Materialized or Offloaded state held whole on the device at once
-        (1/L when it is one of L layers at a time)."""
-        psi, n = check_params(params), check_n(n_devices)
+        `params` on N = dp_size data-parallel devices. `activations`: one
+        device's activation bytes when Replicated (its own micro-batch).
+        `gather_fraction`: the largest share of a gathered, Materialized or
+        Offloaded state held whole on the device at once (1/L when it is one of L
+        layers at a time)."""
+        psi, n = check_params(params), check_world_size(dp_size)
         if not 0 < gather_fraction <= 1:
             raise ValueError(
                 f"gather_fraction must be in (0, 1], got {gather_fraction}")

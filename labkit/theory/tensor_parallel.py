@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.theory._validate import check_counts, check_n
+from labkit.theory._validate import check_counts, check_world_size
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ def layer_traffic(batch: int, seq: int, hidden: int, tp: int,
     layer sends 8·b·s·h·(t-1)/t elements per rank per microbatch (Narayanan et al.
     2021, sec. 3.3)."""
     check_counts(batch=batch, seq=seq, hidden=hidden, elem_bytes=elem_bytes)
-    t = check_n(tp)
+    t = check_world_size(tp)
     n = batch * seq * hidden
     return LayerTraffic(2, 2, n, 2 * (t - 1) / t * n * elem_bytes)
 
@@ -60,7 +60,7 @@ def layer_params(hidden: int, tp: int = 1, ffn: int | None = None) -> LayerParam
     width ffn, default 4h) split Megatron's way over t ranks. With t = 1 and ffn =
     4h it is 12h² + 13h, the per-layer term of Narayanan et al. 2021, eq. 2:
     P = 12lh²(1 + 13/(12h) + (V + s)/(12lh))."""
-    h, t = hidden, check_n(tp)
+    h, t = hidden, check_world_size(tp)
     f = 4 * h if ffn is None else ffn
     check_counts(hidden=h, ffn=f)
     for name, v in (("hidden", h), ("ffn", f)):

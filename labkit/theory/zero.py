@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.theory._validate import check_n, check_params
+from labkit.theory._validate import check_params, check_world_size
 
 # ------------------------------------------------------------ bytes per parameter
 #
@@ -79,11 +79,13 @@ def _check_stage(stage) -> int:
     return stage
 
 
-def zero_breakdown(params: float, n_devices: int, stage: int, k: float = 12,
+def zero_breakdown(params: float, dp_size: int, stage: int, k: float = 12,
                    param_bytes: float = 2, grad_bytes: float = 2) -> ZeroMemory:
-    """Per-device model states under ZeRO (Rajbhandari et al. 2020, sec. 5.1, fig. 1):
-    stage 0 (DP) (2+2+K)Ψ; 1: 2Ψ+2Ψ+KΨ/N; 2: 2Ψ+(2+K)Ψ/N; 3: (2+2+K)Ψ/N."""
-    psi, n, stage = check_params(params), check_n(n_devices), _check_stage(stage)
+    """Per-device model states under ZeRO (Rajbhandari et al. 2020, sec. 5.1, fig. 1)
+    over N = dp_size data-parallel ranks (the paper's N_d): stage 0 (DP)
+    (2+2+K)Ψ; 1: 2Ψ+2Ψ+KΨ/N; 2: 2Ψ+(2+K)Ψ/N; 3: (2+2+K)Ψ/N."""
+    psi, n = check_params(params), check_world_size(dp_size)
+    stage = _check_stage(stage)
     if k < 0 or param_bytes < 0 or grad_bytes < 0:
         raise ValueError("bytes per parameter cannot be negative")
     p, g, o = param_bytes * psi, grad_bytes * psi, k * psi
@@ -91,21 +93,24 @@ def zero_breakdown(params: float, n_devices: int, stage: int, k: float = 12,
                       o / n if stage >= 1 else o)
 
 
-def zero_memory(params: float, n_devices: int, stage: int, k: float = 12,
+def zero_memory(params: float, dp_size: int, stage: int, k: float = 12,
                 **kw) -> float:
-    """Bytes of model state per device for ZeRO `stage` (0 = plain DP).
-    Ψ = 7.5e9, N = 64, K = 12 gives the paper's 120 / 31.4 / 16.6 / 1.9 GB."""
-    return zero_breakdown(params, n_devices, stage, k, **kw).total
+    """Bytes of model state per device for ZeRO `stage` (0 = plain DP) over
+    N = dp_size data-parallel ranks. Ψ = 7.5e9, N = 64, K = 12 gives the
+    paper's 120 / 31.4 / 16.6 / 1.9 GB."""
+    return zero_breakdown(params, dp_size, stage, k, **kw).total
 
 
-def zero_traffic(params: float, n_devices: int, stage: int,
+def zero_traffic(params: float, dp_size: int, stage: int,
                  elem_bytes: float = 2) -> dict[str, float]:
-    """Bytes each rank sends per step, by collective (ring algorithms, exact
-    (N-1)/N factors). DP: all-reduce of the gradients, 2Ψ; ZeRO-1/2: reduce-scatter
-    of the gradients + all-gather of the updated parameters, also 2Ψ; ZeRO-3: an
-    all-gather of the parameters in forward and again in backward + the
-    reduce-scatter, 3Ψ (Rajbhandari et al. 2020, sec. 7.2-7.3)."""
-    psi, n, stage = check_params(params), check_n(n_devices), _check_stage(stage)
+    """Bytes each rank sends per step, by collective, over N = dp_size
+    data-parallel ranks (ring algorithms, exact (N-1)/N factors). DP: all-reduce
+    of the gradients, 2Ψ; ZeRO-1/2: reduce-scatter of the gradients + all-gather
+    of the updated parameters, also 2Ψ; ZeRO-3: an all-gather of the parameters
+    in forward and again in backward + the reduce-scatter, 3Ψ (Rajbhandari et
+    al. 2020, sec. 7.2-7.3)."""
+    psi, n = check_params(params), check_world_size(dp_size)
+    stage = _check_stage(stage)
     share = (n - 1) / n * psi * elem_bytes
     if stage == 0:
         return {"all_reduce (gradients)": 2 * share}

@@ -168,9 +168,10 @@ def _shade(k: int, n: int) -> float:
     return 0.15 + 0.85 * k / n
 
 
-def ring_legend(n: int) -> list[Patch]:
-    """What the shades and outlines of a ring grid mean: one shade per number of
-    ranks summed (up to 5 ranks; beyond, a few of them)."""
+def ring_legend(world_size: int) -> list[Patch]:
+    """What the shades and outlines of a ring grid of world_size ranks mean: one
+    shade per number of ranks summed (up to 5 ranks; beyond, a few of them)."""
+    n = world_size
     counts = range(1, n + 1) if n <= 5 else sorted({1, 2, n // 2, n - 1, n})
     handles = []
     for k in counts:

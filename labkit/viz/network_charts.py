@@ -29,8 +29,8 @@ def bandwidth_chart(points, fits=None, *, ax=None, metric: str = "busbw",
 
             fit = fits[op]
             xs = [p.size for p in pts]
-            ys = [s / fit.time(s) * (bus_factor(fit.op, fit.n) if metric == "busbw"
-                                     else 1.0) / 1e9 for s in xs]
+            factor = bus_factor(fit.op, fit.world_size) if metric == "busbw" else 1.0
+            ys = [s / fit.time(s) * factor / 1e9 for s in xs]
             ax.plot(xs, ys, ":", color=color, lw=1)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size S (bytes)")

@@ -135,23 +135,24 @@ class Pages(W.Stack):
 
 
 class RingStepper(W.VBox):
-    """Step through ring all-reduce on N ranks (simulated), one chunk grid a
-    step. Every step of the first N is drawn ahead, so on a built page the step
-    slider works without a kernel; N needs one."""
+    """Step through ring all-reduce on N = world_size ranks (simulated), one
+    chunk grid a step. Every step of the first N is drawn ahead, so on a built
+    page the step slider works without a kernel; N needs one."""
 
-    def __init__(self, n: int = 4, max_n: int = 16):
-        self.n = W.IntSlider(value=n, min=2, max=max_n, description="ranks N",
-                             continuous_update=False)
-        self.step = W.IntSlider(value=0, min=0, max=2 * (n - 1), description="step")
+    def __init__(self, world_size: int = 4, max_world_size: int = 16):
+        self.world_size = W.IntSlider(value=world_size, min=2, max=max_world_size,
+                                      description="ranks N", continuous_update=False)
+        self.step = W.IntSlider(value=0, min=0, max=2 * (world_size - 1),
+                                description="step")
         self.step.add_class(LIVE_CLASS)
-        self.n.observe(self._new_n, names="value")
+        self.world_size.observe(self._new_world_size, names="value")
         self.step.observe(self._draw, names="value")
         self.pages = self._pages()
         self.pages.fill()
-        super().__init__([W.HBox([self.n, self.step]), self.pages])
+        super().__init__([W.HBox([self.world_size, self.step]), self.pages])
 
     def _pages(self) -> Pages:
-        n = self.n.value
+        n = self.world_size.value
         steps = self._steps = ring_steps(n)
         pages = Pages((len(steps),), lambda key: self._state(n, steps, key[0]))
         pages.link(0, self.step)
@@ -167,8 +168,8 @@ class RingStepper(W.VBox):
         """The RingStep shown."""
         return self._steps[self.pages.key[0]]
 
-    def _new_n(self, change=None) -> None:
-        self.step.max = 2 * (self.n.value - 1)
+    def _new_world_size(self, change=None) -> None:
+        self.step.max = 2 * (self.world_size.value - 1)
         self.step.value = min(self.step.value, self.step.max)
         old, self.pages = self.pages, self._pages()
         self.children = [self.children[0], self.pages]
@@ -187,9 +188,10 @@ class RingStepper(W.VBox):
         return caption, ring_grid(steps[k])
 
 
-def ring_stepper(n: int = 4) -> RingStepper:
-    """A widget stepping through the N x N chunk grid of ring all-reduce."""
-    return RingStepper(n)
+def ring_stepper(world_size: int = 4) -> RingStepper:
+    """A widget stepping through the N x N chunk grid of ring all-reduce on
+    N = world_size ranks."""
+    return RingStepper(world_size)
 
 
 # ------------------------------------------------------------------ ZeRO explorer
@@ -216,20 +218,21 @@ class ZeroExplorer(W.VBox):
     """Per-device model states for DP and ZeRO-1/2/3 side by side.
 
     Picking a model sets the Ψ slider to its parameter count; moving the slider
-    away from it makes the model "custom". N takes any whole number (the smallest N
-    that fits is rarely a power of two), typed or slid. Every stage and precision
-    of the first Ψ, N and K is drawn ahead, so on a built page those two controls
-    work without a kernel."""
+    away from it makes the model "custom". N (dp_size, the data-parallel degree)
+    takes any whole number (the smallest N that fits is rarely a power of two),
+    typed or slid. Every stage and precision of the first Ψ, N and K is drawn
+    ahead, so on a built page those two controls work without a kernel."""
 
-    def __init__(self, model: str = "custom", params: float = 7.5e9, n: int = 64,
-                 k: int = 12, stage: int = 3, precision: str = "mixed"):
+    def __init__(self, model: str = "custom", params: float = 7.5e9,
+                 dp_size: int = 64, k: int = 12, stage: int = 3,
+                 precision: str = "mixed"):
         self.model = W.Dropdown(options=["custom", *theory.MODELS], value="custom",
                                 description="model")
         self.params = W.FloatLogSlider(value=params, base=10, min=8, max=12,
                                        step=0.05, description="Ψ (params)",
                                        continuous_update=False, readout_format=".3g")
-        self.n = W.IntSlider(value=n, min=1, max=1024, description="devices N",
-                             continuous_update=False)
+        self.dp_size = W.IntSlider(value=dp_size, min=1, max=1024,
+                                   description="devices N", continuous_update=False)
         self.k = W.IntSlider(value=k, min=0, max=20, description="K (bytes)",
                              continuous_update=False)
         self.stage = W.IntSlider(value=stage, min=0, max=3, description="stage",
@@ -244,12 +247,13 @@ class ZeroExplorer(W.VBox):
         self._syncing = False
         self.model.observe(self._on_model, names="value")
         self.params.observe(self._on_params, names="value")
-        for w in (self.n, self.k):
+        for w in (self.dp_size, self.k):
             w.observe(self._redraw, names="value")
         for w in (self.stage, self.precision):
             w.observe(self._draw, names="value")
         super().__init__([W.HBox([self.model, self.precision]),
-                          W.HBox([self.params, self.n]), W.HBox([self.k, self.stage]),
+                          W.HBox([self.params, self.dp_size]),
+                          W.HBox([self.k, self.stage]),
                           self.pages])
         if model != "custom":
             self.model.value = model  # sets Ψ and draws
@@ -277,7 +281,7 @@ class ZeroExplorer(W.VBox):
 
     def _breakdowns(self, precision: int) -> dict[str, theory.ZeroMemory]:
         b = 2 if PRECISIONS[precision][1] == "mixed" else 4
-        return {lab: theory.zero_breakdown(self.psi(), self.n.value, s,
+        return {lab: theory.zero_breakdown(self.psi(), self.dp_size.value, s,
                                            self.k.value, param_bytes=b,
                                            grad_bytes=b)
                 for s, lab in enumerate(STAGES)}
@@ -313,7 +317,7 @@ class ZeroExplorer(W.VBox):
 
     def _state(self, key: tuple[int, int]):
         precision, stage = key
-        psi, n = self.psi(), self.n.value
+        psi, n = self.psi(), self.dp_size.value
         last = self._breakdowns(precision)
         chosen = STAGES[stage]
         mine = last[chosen].total
@@ -329,7 +333,8 @@ class ZeroExplorer(W.VBox):
 
 
 def zero_explorer(**kw) -> ZeroExplorer:
-    """Sliders for Ψ (or a model), N, K, stage and precision -> ZeRO's bars."""
+    """Sliders for Ψ (or a model), N (dp_size), K, stage and precision -> ZeRO's
+    bars."""
     return ZeroExplorer(**kw)
 
 
@@ -339,8 +344,8 @@ def zero_explorer(**kw) -> ZeroExplorer:
 class PlacementExplorer(W.VBox):
     """Pick a mode for each of P, O, G, A: memory, traffic, and the verdict."""
 
-    def __init__(self, preset: str = "ZeRO-3", params: float = 7.5e9, n: int = 64,
-                 activations: float = 8e9):
+    def __init__(self, preset: str = "ZeRO-3", params: float = 7.5e9,
+                 dp_size: int = 64, activations: float = 8e9):
         self.preset = W.Dropdown(options=["custom", *theory.PLACEMENTS], value=preset,
                                  description="preset")
         self.modes = {s: W.Dropdown(options=theory.MODES, description=s,
@@ -348,8 +353,9 @@ class PlacementExplorer(W.VBox):
         self.params = W.FloatLogSlider(value=params, base=10, min=8, max=12,
                                        step=0.05, description="Ψ (params)",
                                        continuous_update=False, readout_format=".3g")
-        self.n = W.SelectionSlider(options=_POWERS_OF_TWO, value=n,
-                                   description="devices N", continuous_update=False)
+        self.dp_size = W.SelectionSlider(options=_POWERS_OF_TWO, value=dp_size,
+                                         description="devices N",
+                                         continuous_update=False)
         self.activations = activations
         self.verdict = W.HTML()
         self.out = W.Output()
@@ -357,9 +363,9 @@ class PlacementExplorer(W.VBox):
         self._applying = False
         self._apply_preset()
         self.preset.observe(self._on_preset, names="value")
-        for w in (*self.modes.values(), self.params, self.n):
+        for w in (*self.modes.values(), self.params, self.dp_size):
             w.observe(self._draw, names="value")
-        super().__init__([W.HBox([self.preset, self.params, self.n]),
+        super().__init__([W.HBox([self.preset, self.params, self.dp_size]),
                           W.HBox(list(self.modes.values())[:2]),
                           W.HBox(list(self.modes.values())[2:]), self.verdict,
                           self.out])
@@ -391,8 +397,8 @@ class PlacementExplorer(W.VBox):
             self.preset.value = match[0] if match else "custom"
             self.preset.observe(self._on_preset, names="value")
         p = self.placement()
-        cost = p.cost(self.params.value, self.n.value, activations=self.activations,
-                      gather_fraction=1 / 32)
+        cost = p.cost(self.params.value, self.dp_size.value,
+                      activations=self.activations, gather_fraction=1 / 32)
         verdict = p.check()
         self.last = (p, cost, verdict)
         rows = "".join(f"<li>{k}: {v / GB:,.2f} GB</li>" for k, v in

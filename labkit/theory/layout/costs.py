@@ -285,18 +285,19 @@ DP_PHASES = ("end", "start", "backward", "stream")
 NODE_LIMITED_ROUTING = {"DeepSeek-V3": 4}
 
 
-def dp_phases_of(psi: float, n: int, stage: int, m: int,
+def dp_phases_of(psi: float, dp_size: int, stage: int, m: int,
                  dtype_bytes: int) -> dict[str, float]:
-    """Bytes a device sends per step for data parallelism over n ranks, by when
-    they can go (theory.zero_traffic's collectives, once per step or per
-    micro-batch). DP and ZeRO-1 sum gradients over the m micro-batches locally and
-    reduce once, at the "end", under the last micro-batch's backward only; ZeRO-1
-    all-gathers the new weights at the "start" of the next step, under the first
-    micro-batch's forward. ZeRO-2 keeps 1/n of the gradients, so it reduce-
-    scatters every micro-batch under its "backward"; ZeRO-3 also all-gathers the
-    weights for each micro-batch's forward and backward, prefetched: "stream".
-    psi: the parameters this device holds before ZeRO shards them."""
-    sent = zero_traffic(psi, n, stage, dtype_bytes)
+    """Bytes a device sends per step for data parallelism over n = dp_size
+    ranks, by when they can go (theory.zero_traffic's collectives, once per step
+    or per micro-batch). DP and ZeRO-1 sum gradients over the m micro-batches
+    locally and reduce once, at the "end", under the last micro-batch's backward
+    only; ZeRO-1 all-gathers the new weights at the "start" of the next step,
+    under the first micro-batch's forward. ZeRO-2 keeps 1/n of the gradients, so
+    it reduce-scatters every micro-batch under its "backward"; ZeRO-3 also
+    all-gathers the weights for each micro-batch's forward and backward,
+    prefetched: "stream". psi: the parameters this device holds before ZeRO
+    shards them."""
+    sent = zero_traffic(psi, dp_size, stage, dtype_bytes)
     out = dict.fromkeys(DP_PHASES, 0.0)
     if stage == 0:
         out["end"] = sent["all_reduce (gradients)"]
@@ -407,33 +408,33 @@ def bubble_of_ideal(layout: Layout) -> float:
     return pipeline_bubble(layout.pp, layout.microbatches, layout.interleave).of_ideal
 
 
-def ring_latency(op: str, n: int, nodes: int, alpha_intra: float,
+def ring_latency(op: str, world_size: int, nodes: int, alpha_intra: float,
                  alpha_inter: float) -> float:
-    """The α part of one ring collective over n ranks on `nodes` nodes: its
-    latency_steps(op, n) steps (2(n-1) for all-reduce, n-1 otherwise), of which
-    latency_steps(op, nodes) cross between nodes and pay alpha_inter, the rest
-    alpha_intra (NCCL's ring model, src/graph/tuning.cc)."""
-    if n <= 1:
+    """The α part of one ring collective over n = world_size ranks on `nodes`
+    nodes: its latency_steps(op, n) steps (2(n-1) for all-reduce, n-1
+    otherwise), of which latency_steps(op, nodes) cross between nodes and pay
+    alpha_inter, the rest alpha_intra (NCCL's ring model, src/graph/tuning.cc)."""
+    if world_size <= 1:
         return 0.0
     inter = latency_steps(op, nodes) if nodes > 1 else 0
-    return (latency_steps(op, n) - inter) * alpha_intra + inter * alpha_inter
+    return (latency_steps(op, world_size) - inter) * alpha_intra + inter * alpha_inter
 
 
-def dp_latency_of(stage: int, n: int, nodes: int, layers: int, m: int,
+def dp_latency_of(stage: int, dp_size: int, nodes: int, layers: int, m: int,
                   alpha_intra: float, alpha_inter: float) -> dict[str, float]:
-    """Seconds of α a device pays per step for data parallelism over n ranks,
-    by phase as in dp_phases_of, taking one collective per layer each time the
-    layer's gradients or weights move (FSDP's unit is a layer; DDP's buckets are
-    of the same order): DP all-reduces once per layer, ZeRO-1 reduce-scatters
-    and all-gathers once per layer, ZeRO-2 reduce-scatters per layer and
-    micro-batch, ZeRO-3 gathers forward and backward and reduce-scatters per
-    layer and micro-batch. m: micro-batches per step."""
+    """Seconds of α a device pays per step for data parallelism over dp_size
+    ranks, by phase as in dp_phases_of, taking one collective per layer each
+    time the layer's gradients or weights move (FSDP's unit is a layer; DDP's
+    buckets are of the same order): DP all-reduces once per layer, ZeRO-1
+    reduce-scatters and all-gathers once per layer, ZeRO-2 reduce-scatters per
+    layer and micro-batch, ZeRO-3 gathers forward and backward and
+    reduce-scatters per layer and micro-batch. m: micro-batches per step."""
     out = dict.fromkeys(DP_PHASES, 0.0)
-    if n <= 1:
+    if dp_size <= 1:
         return out
 
     def alpha(op):
-        return ring_latency(op, n, nodes, alpha_intra, alpha_inter)
+        return ring_latency(op, dp_size, nodes, alpha_intra, alpha_inter)
 
     if stage == 0:
         out["end"] = layers * alpha("all_reduce")
