@@ -336,21 +336,24 @@ def prewarm() -> None:
 def _after_each_cell() -> None:
     """In IPython: once each cell has run, pass on what it imported that ranks
     should start with, so a successor imports it while the student reads."""
+    shell = _shell()
+    if shell is not None and \
+            _pass_on_preloads not in shell.events.callbacks["post_run_cell"]:
+        shell.events.register("post_run_cell", _pass_on_preloads)
+
+
+def _pass_on_preloads(*_) -> None:
+    try:
+        ask_for_new_preloads()
+    except OSError:  # a forkserver gone meanwhile: the next start says so
+        pass
+
+
+def _shell():
+    """The running IPython shell, or None (IPython itself is never imported)."""
     ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None else None
-    if shell is None or getattr(shell, "_labkit_preloads", False):
-        return
-    shell._labkit_preloads = True
-
-    def after_cell(*_):
-        try:
-            ask_for_new_preloads()
-        except OSError:  # a forkserver gone meanwhile: the next start says so
-            pass
-
-    shell.events.register("post_run_cell", after_cell)
+    return ipython.get_ipython() if ipython is not None else None
 
 
 def _in_ipython() -> bool:
-    ipython = sys.modules.get("IPython")
-    return ipython is not None and ipython.get_ipython() is not None
+    return _shell() is not None
